@@ -1,0 +1,22 @@
+# Two commands on a fresh machine:  `make demo` (the main job) and `make test` (the suite).
+# Each creates .venv with the pinned requirements first if it is missing or out of date.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test variants
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) scripts/demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest tests
+
+variants: $(VENV)/.installed
+	$(PY) scripts/build_variants.py

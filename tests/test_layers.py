@@ -1,0 +1,182 @@
+"""Layers for kernelize: parity with transformers' MLPs, activation checks, in-place backward, kernelize."""
+
+import copy
+import types
+
+import pytest
+import torch
+from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
+from transformers import GemmaConfig, LlamaConfig
+from transformers.models.gemma.modeling_gemma import GemmaMLP
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from conftest import INTERPRETED, backend, compute_eps, rel_err
+
+HIDDEN, INTERMEDIATE = 64, 160
+
+
+def llama_mlp(act="silu", bias=False, hidden=HIDDEN, intermediate=INTERMEDIATE):
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, hidden_act=act, mlp_bias=bias)
+    return LlamaMLP(config)
+
+
+def gemma_mlp():
+    return GemmaMLP(GemmaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, hidden_act="gelu_pytorch_tanh"))
+
+
+HOSTS = {  # host, layer that serves it
+    "llama_silu": (llama_mlp, "LigerSwiGLUMLP"),
+    "llama_silu_bias": (lambda: llama_mlp(bias=True), "LigerSwiGLUMLP"),
+    "gemma_gelu_tanh": (gemma_mlp, "LigerGEGLUMLP"),
+    "gelu_exact": (lambda: llama_mlp(act="gelu"), "LigerGEGLUMLP"),
+}
+
+
+def bind(layer_cls, host):
+    """What kernelize does: the layer's forward, bound to the host module."""
+    host.forward = types.MethodType(layer_cls.forward, host)
+    return host
+
+
+def run(module, x, d_out):
+    x = x.detach().requires_grad_()
+    out = module(x)
+    grads = torch.autograd.grad(out, [x, *module.parameters()], d_out)
+    return out, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("host_name", sorted(HOSTS))
+def test_parity_with_transformers_mlp(lk, host_name, dtype, backend_name):
+    """Output, input and weight gradients against the float64 host, no worse than the eager host in the
+    same dtype (1.5x, plus fp32 arithmetic slack)."""
+    make_host, layer = HOSTS[host_name]
+    torch.manual_seed(0)
+    host64 = make_host().double()
+    eager = copy.deepcopy(host64).to(dtype)
+    fused = bind(getattr(lk, layer), copy.deepcopy(host64).to(dtype))
+    x = torch.randn(3, 17, HIDDEN, dtype=torch.float64)
+    d_out = torch.randn(3, 17, HIDDEN, dtype=torch.float64)
+    want = run(host64, x, d_out)
+    got_eager = run(eager, x.to(dtype), d_out.to(dtype))
+    got_fused = run(fused, x.to(dtype), d_out.to(dtype))
+    names = ["out", "x", *[n for n, _ in host64.named_parameters()]]
+    flat = lambda r: [r[0], *r[1]]  # noqa: E731
+    for name, w, e, f in zip(names, flat(want), flat(got_eager), flat(got_fused)):
+        bound = 1.5 * rel_err(e, w) + 4 * compute_eps(dtype)
+        assert rel_err(f, w) <= bound, f"{host_name} {name}: {rel_err(f, w):.3e} > {bound:.3e}"
+
+
+def test_swiglu_layer_refuses_a_non_silu_host(lk):
+    host = bind(lk.LigerSwiGLUMLP, llama_mlp(act="gelu"))
+    with pytest.raises(ValueError, match="LigerSwiGLUMLP computes silu.*uses exact GELU"):
+        host(torch.randn(2, HIDDEN))
+    host = bind(lk.LigerSwiGLUMLP, llama_mlp(act="relu"))
+    with pytest.raises(ValueError, match="LigerSwiGLUMLP computes silu.*ReLU"):
+        host(torch.randn(2, HIDDEN))
+
+
+@pytest.mark.parametrize("act", ["silu", "relu", "quick_gelu"])
+def test_geglu_layer_refuses_a_non_gelu_host(lk, act):
+    host = bind(lk.LigerGEGLUMLP, llama_mlp(act=act))
+    with pytest.raises(ValueError, match="LigerGEGLUMLP computes gelu"):
+        host(torch.randn(2, HIDDEN))
+
+
+class ConfigOnlyHost(torch.nn.Module):
+    """A host without act_fn: the activation comes from its config."""
+
+    def __init__(self, **config):
+        super().__init__()
+        self.config = types.SimpleNamespace(**config)
+        self.gate_proj = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
+        self.up_proj = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
+        self.down_proj = torch.nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
+
+
+@pytest.mark.parametrize(
+    "config, approximate",
+    [({"hidden_act": "gelu"}, "none"), ({"hidden_activation": "gelu_pytorch_tanh"}, "tanh"), ({}, "tanh")],
+)
+def test_geglu_form_follows_the_host_config(lk, config, approximate):
+    host = bind(lk.LigerGEGLUMLP, ConfigOnlyHost(**config))
+    x = torch.randn(5, HIDDEN)
+    gelu = torch.nn.functional.gelu(host.gate_proj(x).double(), approximate=approximate)
+    ref = host.down_proj.weight.double() @ (gelu * host.up_proj(x).double()).T
+    assert rel_err(host(x), ref.T) < 1e-5
+
+
+def test_swiglu_layer_takes_a_host_that_does_not_say(lk):
+    host = bind(lk.LigerSwiGLUMLP, ConfigOnlyHost())
+    x = torch.randn(5, HIDDEN)
+    ref = host.down_proj(torch.nn.functional.silu(host.gate_proj(x)) * host.up_proj(x))
+    assert rel_err(host(x), ref) < 1e-5
+
+
+class HostWithHookedGate(torch.nn.Module):
+    """Someone keeps the gate projection's output (an activation-capturing hook)."""
+
+    def __init__(self, host):
+        super().__init__()
+        self.kept = []
+        host.gate_proj.register_forward_hook(lambda module, args, out: self.kept.append(out))
+
+
+@pytest.mark.parametrize("layer, make_host", [("LigerSwiGLUMLP", llama_mlp), ("LigerGEGLUMLP", gemma_mlp)])
+def test_layer_backward_allocates_no_gate_or_up_buffers(lk, layer, make_host, monkeypatch):
+    """Through the layer (plain nn.Linear projections) backward writes the gradients over gate and up; a
+    host whose gate output someone else keeps gets fresh gradient buffers and its kept tensor is intact."""
+    if not INTERPRETED:
+        pytest.skip("runs the Triton path on CPU tensors through the interpreter; test_gpu.py covers CUDA")
+    from test_gated import CountingAllocator
+
+    x = torch.randn(4, 9, HIDDEN, requires_grad=True)
+    with backend("triton"):
+        host = bind(getattr(lk, layer), make_host())
+        out = host(x)
+        allocations = CountingAllocator(lk, monkeypatch)
+        out.sum().backward()
+        assert allocations.count == 0
+
+        hooked = bind(getattr(lk, layer), make_host())
+        keeper = HostWithHookedGate(hooked)
+        out = hooked(x)
+        kept = keeper.kept[0].detach().clone()
+        allocations.count = 0
+        out.sum().backward()
+        assert allocations.count == 2
+        assert torch.equal(keeper.kept[0].detach(), kept)
+
+
+def test_kernelize_with_local_layer_repository(lk, variant_root):
+    """kernels itself loads, validates and swaps in both layers, for training and inference."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.swiglu = llama_mlp()
+            self.geglu = gemma_mlp()
+
+        def forward(self, x):
+            return self.geglu(self.swiglu(x))
+
+    torch.manual_seed(0)
+    model = Block()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 11, HIDDEN)
+    mapping = {
+        name: {"cpu": {mode: LocalLayerRepository(variant_root, layer_name=layer) for mode in (Mode.TRAINING, Mode.INFERENCE)}}
+        for name, layer in (("SwiGLUMLP", "LigerSwiGLUMLP"), ("GeGLUMLP", "LigerGEGLUMLP"))
+    }
+    try:
+        replace_kernel_forward_from_hub(LlamaMLP, "SwiGLUMLP")
+        replace_kernel_forward_from_hub(GemmaMLP, "GeGLUMLP")
+        with use_kernel_mapping(mapping, inherit_mapping=False):
+            kernelize(model, mode=Mode.TRAINING, device="cpu")
+    finally:
+        for cls in (LlamaMLP, GemmaMLP):
+            del cls.kernel_layer_name, cls.kernel_condition
+    assert model.swiglu.forward.__func__.__qualname__ == "LigerSwiGLUMLP.forward"
+    assert model.geglu.forward.__func__.__qualname__ == "LigerGEGLUMLP.forward"
+    assert model.swiglu.forward.__func__.__module__.startswith(lk.__name__)
+    assert rel_err(model(x), reference(x)) < 1e-5

@@ -1,0 +1,68 @@
+"""The one place that decides how an op runs on a device: Triton or PyTorch.
+
+* Triton runs on CUDA, ROCm (``device.type == "cuda"`` there too) and XPU tensors of fp16, bf16 and fp32.
+* Everything else (CPU, MPS/Metal, float64, or a machine without Triton) runs the PyTorch implementation,
+  which has the same semantics and the same autograd contract.
+
+``LIGER_KERNELS_BACKEND`` overrides the choice: ``auto`` (default), ``torch``, or ``triton``. ``triton`` on
+CPU tensors needs ``TRITON_INTERPRET=1`` set before the package is imported; that is how CI runs the real
+kernel code on a machine without a GPU.
+"""
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+    jit = triton.jit
+    constexpr = tl.constexpr
+except ImportError:  # Metal, or a CPU-only install without Triton: the PyTorch path serves every op.
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+    def jit(fn):
+        return fn
+
+    def constexpr(value):
+        return value
+
+
+TRITON_DEVICE_TYPES = ("cuda", "xpu")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def requested_backend() -> str:
+    choice = os.environ.get("LIGER_KERNELS_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"LIGER_KERNELS_BACKEND must be one of {BACKENDS}, got {choice!r}")
+    return choice
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when the op on ``tensor`` (already validated) should run the Triton kernels."""
+    choice = requested_backend()
+    if choice == "torch":
+        return False
+    runnable = HAS_TRITON and tensor.dtype in TRITON_DTYPES
+    on_device = tensor.device.type in TRITON_DEVICE_TYPES
+    if choice == "auto":
+        return runnable and on_device
+    # choice == "triton": forced, e.g. by tests that run the kernels through the interpreter.
+    if not runnable:
+        raise RuntimeError(
+            f"LIGER_KERNELS_BACKEND=triton but Triton cannot run this op "
+            f"(triton installed: {HAS_TRITON}, dtype {tensor.dtype}; supported dtypes {TRITON_DTYPES})"
+        )
+    if not on_device and not triton_interpreted():
+        raise RuntimeError("LIGER_KERNELS_BACKEND=triton on a CPU tensor needs TRITON_INTERPRET=1 set before import")
+    return True

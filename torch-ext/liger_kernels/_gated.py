@@ -1,0 +1,240 @@
+"""Gated activations ``out = act(gate_multiplier * gate) * up * down_multiplier``: the machinery that SwiGLU
+and GeGLU share.
+
+Each activation (``swiglu.SILU``, ``geglu.GELU_TANH``, ``geglu.GELU_ERF``) supplies its math twice: as
+``@triton.jit`` functions for the kernels below and as PyTorch functions for the PyTorch backend. This module
+validates inputs, lays tensors out as rows without copying, runs the Triton kernels or the PyTorch path (as
+``_backend.use_triton`` decides), and carries the autograd contract both backends share: save ``gate`` and
+``up``, recompute the activation in backward.
+"""
+
+import numbers
+from typing import Callable, NamedTuple, Optional, Tuple
+
+import torch
+
+from ._backend import constexpr, jit, tl, triton, use_triton
+
+# Kernel outputs are allocated through this name so tests can poison them (fill with NaN) before a launch.
+new_tensor = torch.empty
+
+
+class GatedActivation(NamedTuple):
+    name: str
+    triton_value: Callable  # @jit (z) -> act(z), fp32
+    triton_value_and_grad: Callable  # @jit (z) -> (act(z), act'(z)), fp32
+    torch_value: Callable  # (z) -> act(z), z in fp32 or fp64
+    torch_value_and_grad: Callable  # (z) -> (act(z), act'(z))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation: every check runs before any launch.
+
+
+def check_pair(a, b, op: str) -> None:
+    for arg, value in (("a", a), ("b", b)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: `{arg}` must be a torch.Tensor, got {type(value).__name__}")
+        if not value.dtype.is_floating_point:
+            raise TypeError(f"{op}: `{arg}` must have a floating dtype (float32, float16, bfloat16), got {value.dtype}")
+        if value.dim() == 0:
+            raise ValueError(f"{op}: `{arg}` must have at least one dimension, got a 0-d tensor")
+    if a.shape != b.shape:
+        raise ValueError(f"{op}: `a` and `b` must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{op}: `a` and `b` must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{op}: `a` and `b` must be on the same device, got {a.device} and {b.device}")
+
+
+def check_multiplier(value, arg: str, op: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: `{arg}` must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def check_flag(value, arg: str, op: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: `{arg}` must be a bool, got {type(value).__name__}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels. One program handles BLOCK columns of one row. Contiguous tensors are seen as a single row
+# of numel columns (pure streaming); tensors whose rows are strided (the halves of a fused gate_up output
+# taken with .chunk(2, -1)) are read in place through their row stride. Offsets are int64 throughout, so
+# tensors of more than 2**31 elements and rows of any width work.
+
+BLOCK = 1024
+NUM_WARPS = 4
+
+
+@jit
+def _gated_forward_kernel(
+    gate_ptr, up_ptr, out_ptr,
+    n_cols, gate_row_stride, up_row_stride, out_row_stride,
+    gate_multiplier, down_multiplier,
+    ACTIVATION: constexpr, BLOCK: constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    n_col_blocks = tl.cdiv(n_cols, BLOCK)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask).to(tl.float32)
+    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask).to(tl.float32)
+    out = ACTIVATION(gate * gate_multiplier) * up * down_multiplier
+    tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _gated_backward_kernel(
+    d_out_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
+    n_cols, d_out_row_stride, gate_row_stride, up_row_stride, d_gate_row_stride, d_up_row_stride,
+    gate_multiplier, down_multiplier,
+    ACTIVATION_AND_GRAD: constexpr, BLOCK: constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    n_col_blocks = tl.cdiv(n_cols, BLOCK)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    d_out = tl.load(d_out_ptr + row * d_out_row_stride + cols, mask=mask).to(tl.float32)
+    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask).to(tl.float32)
+    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask).to(tl.float32)
+    # out = act(gm * gate) * up * dm  =>  d_up = d_out * dm * act(gm * gate),
+    #                                     d_gate = d_out * dm * up * act'(gm * gate) * gm
+    act, d_act = ACTIVATION_AND_GRAD(gate * gate_multiplier)
+    d_out = d_out * down_multiplier
+    d_up = d_out * act
+    d_gate = d_out * up * d_act * gate_multiplier
+    # d_gate/d_up may alias gate/up (in-place backward): each element is read and written by this program only.
+    tl.store(d_gate_ptr + row * d_gate_row_stride + cols, d_gate.to(d_gate_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_up_ptr + row * d_up_row_stride + cols, d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(tensors):
+    """2-D views of same-shaped tensors, plus (n_rows, n_cols). Contiguous tensors become one long row; the
+    others are viewed as [-1, last dim] through their row stride, copied only when no such view exists."""
+    if all(t.is_contiguous() for t in tensors):
+        return [t.view(1, -1) for t in tensors]
+    n_cols = tensors[0].shape[-1]
+    rows = []
+    for t in tensors:
+        if t.stride(-1) != 1:
+            t = t.contiguous()
+        try:
+            rows.append(t.view(-1, n_cols))
+        except RuntimeError:  # leading dims that do not collapse into one stride
+            rows.append(t.reshape(-1, n_cols))
+    return rows
+
+
+def _grid(rows: torch.Tensor):
+    return (rows.shape[0] * triton.cdiv(rows.shape[1], BLOCK),)
+
+
+def _forward_triton(gate, up, activation: GatedActivation, gate_multiplier, down_multiplier):
+    out = new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
+    gate_rows, up_rows, out_rows = _as_rows([gate, up, out])
+    _gated_forward_kernel[_grid(out_rows)](
+        gate_rows, up_rows, out_rows,
+        out_rows.shape[1], gate_rows.stride(0), up_rows.stride(0), out_rows.stride(0),
+        gate_multiplier, down_multiplier,
+        ACTIVATION=activation.triton_value, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out
+
+
+def _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multiplier, in_place):
+    if in_place:
+        d_gate, d_up = gate, up
+    else:
+        d_gate = new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
+        d_up = new_tensor(up.shape, dtype=up.dtype, device=up.device)
+    d_out_rows, gate_rows, up_rows, d_gate_rows, d_up_rows = _as_rows([d_out, gate, up, d_gate, d_up])
+    if in_place and (d_gate_rows.data_ptr() != gate.data_ptr() or d_up_rows.data_ptr() != up.data_ptr()):
+        # _as_rows had to copy: write into the copies, which are the gradients.
+        d_gate, d_up = d_gate_rows.view(gate.shape), d_up_rows.view(up.shape)
+    _gated_backward_kernel[_grid(d_out_rows)](
+        d_out_rows, gate_rows, up_rows, d_gate_rows, d_up_rows,
+        d_out_rows.shape[1], d_out_rows.stride(0), gate_rows.stride(0), up_rows.stride(0),
+        d_gate_rows.stride(0), d_up_rows.stride(0),
+        gate_multiplier, down_multiplier,
+        ACTIVATION_AND_GRAD=activation.triton_value_and_grad, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return d_gate, d_up
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PyTorch backend: the same math in fp32 (fp64 for fp64 inputs), one rounding to the input dtype at the end.
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _forward_torch(gate, up, activation: GatedActivation, gate_multiplier, down_multiplier):
+    compute = _compute_dtype(gate.dtype)
+    out = activation.torch_value(gate.to(compute) * gate_multiplier) * up.to(compute) * down_multiplier
+    return out.to(gate.dtype)
+
+
+def _backward_torch(d_out, gate, up, activation, gate_multiplier, down_multiplier):
+    compute = _compute_dtype(gate.dtype)
+    act, d_act = activation.torch_value_and_grad(gate.to(compute) * gate_multiplier)
+    d_out = d_out.to(compute) * down_multiplier
+    d_up = d_out * act
+    d_gate = d_out * up.to(compute) * d_act * gate_multiplier
+    return d_gate.to(gate.dtype), d_up.to(up.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dispatch and the shared autograd contract.
+
+
+def gated_forward(gate, up, activation, gate_multiplier=1.0, down_multiplier=1.0) -> torch.Tensor:
+    """``act(gate_multiplier * gate) * up * down_multiplier`` for validated inputs, without autograd."""
+    if gate.numel() == 0:
+        return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if use_triton(gate):
+        return _forward_triton(gate, up, activation, gate_multiplier, down_multiplier)
+    return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
+
+
+def gated_backward(
+    d_out, gate, up, activation, gate_multiplier=1.0, down_multiplier=1.0, in_place=False
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients for ``gate`` and ``up``. With ``in_place`` the Triton path writes them into the ``gate`` and
+    ``up`` buffers (saving two activation-sized allocations); only for buffers nothing else reads."""
+    if gate.numel() == 0:
+        return torch.zeros_like(gate), torch.zeros_like(up)
+    if d_out.shape != gate.shape:  # a broadcast or expanded gradient
+        d_out = d_out.expand(gate.shape)
+    if use_triton(gate):
+        d_out = d_out.to(gate.dtype)
+        if d_out.stride(-1) != 1:
+            d_out = d_out.contiguous()
+        d_gate, d_up = _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multiplier, in_place)
+        if in_place:
+            # Anything that still held gate/up for autograd now raises instead of reading gradients.
+            torch.autograd.graph.increment_version(gate)
+            torch.autograd.graph.increment_version(up)
+        return d_gate, d_up
+    return _backward_torch(d_out, gate, up, activation, gate_multiplier, down_multiplier)
+
+
+def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place) -> None:
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+    ctx.gate_multiplier = gate_multiplier
+    ctx.down_multiplier = down_multiplier
+    ctx.in_place = in_place
+
+
+def backward_from_ctx(ctx, d_out) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    gate, up = ctx.saved_tensors
+    d_gate, d_up = gated_backward(
+        d_out, gate, up, ctx.activation, ctx.gate_multiplier, ctx.down_multiplier, ctx.in_place
+    )
+    return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None)

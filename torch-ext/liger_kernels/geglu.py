@@ -1,0 +1,120 @@
+"""GeGLU: ``c = gelu(a) * b``, fused forward and backward, in both forms of GELU:
+
+* ``approximate="tanh"`` (the default, as in the Hub package): ``gelu(a) = 0.5 a (1 + tanh(k (a + 0.044715 a^3)))``
+  with ``k = sqrt(2 / pi)``;
+* ``approximate="none"``: the exact ``gelu(a) = a * Phi(a) = 0.5 a (1 + erf(a / sqrt(2)))``.
+
+Math runs in fp32 (fp64 for fp64 inputs on the PyTorch backend) with one rounding to the input dtype;
+backward recomputes the activation from the saved ``a`` and ``b``.
+"""
+
+import math
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _gated
+from ._backend import constexpr, jit, tl
+
+OP = "LigerGELUMulFunction"
+APPROXIMATIONS = ("tanh", "none")
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+TANH_CUBIC = 0.044715
+INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+# The same constants as seen from inside @jit functions.
+_K = constexpr(SQRT_2_OVER_PI)
+_C = constexpr(TANH_CUBIC)
+_R2 = constexpr(INV_SQRT_2)
+_R2PI = constexpr(INV_SQRT_2PI)
+
+
+@jit
+def _gelu_tanh(z):
+    # 0.5 * (1 + tanh(u)) == sigmoid(2u): one exp, no tanh.
+    u = _K * (z + _C * z * z * z)
+    return z * tl.sigmoid(2.0 * u)
+
+
+@jit
+def _gelu_tanh_and_grad(z):
+    # g = z * s with s = sigmoid(2u), u = k (z + c z^3):  g' = s + z * s (1 - s) * 2 k (1 + 3 c z^2)
+    z2 = z * z
+    s = tl.sigmoid(2.0 * _K * (z + _C * z2 * z))
+    du = 2.0 * _K * (1.0 + 3.0 * _C * z2)
+    return z * s, s + z * s * (1.0 - s) * du
+
+
+@jit
+def _gelu_erf(z):
+    return 0.5 * z * (1.0 + tl.erf(z * _R2))
+
+
+@jit
+def _gelu_erf_and_grad(z):
+    # g = z * Phi(z):  g' = Phi(z) + z * phi(z), phi the standard normal density
+    cdf = 0.5 * (1.0 + tl.erf(z * _R2))
+    return z * cdf, cdf + z * _R2PI * tl.exp(-0.5 * z * z)
+
+
+def _gelu_tanh_torch(z):
+    return z * torch.sigmoid(2.0 * SQRT_2_OVER_PI * (z + TANH_CUBIC * z * z * z))
+
+
+def _gelu_tanh_and_grad_torch(z):
+    z2 = z * z
+    s = torch.sigmoid(2.0 * SQRT_2_OVER_PI * (z + TANH_CUBIC * z2 * z))
+    du = 2.0 * SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_CUBIC * z2)
+    return z * s, s + z * s * (1.0 - s) * du
+
+
+def _gelu_erf_torch(z):
+    return 0.5 * z * (1.0 + torch.erf(z * INV_SQRT_2))
+
+
+def _gelu_erf_and_grad_torch(z):
+    cdf = 0.5 * (1.0 + torch.erf(z * INV_SQRT_2))
+    return z * cdf, cdf + z * INV_SQRT_2PI * torch.exp(-0.5 * z * z)
+
+
+GELU_TANH = _gated.GatedActivation("gelu_tanh", _gelu_tanh, _gelu_tanh_and_grad, _gelu_tanh_torch, _gelu_tanh_and_grad_torch)
+GELU_ERF = _gated.GatedActivation("gelu", _gelu_erf, _gelu_erf_and_grad, _gelu_erf_torch, _gelu_erf_and_grad_torch)
+ACTIVATIONS = {"tanh": GELU_TANH, "none": GELU_ERF}
+
+
+def check_approximate(approximate, op: str = OP) -> str:
+    if not isinstance(approximate, str) or approximate not in APPROXIMATIONS:
+        raise ValueError(f"{op}: `approximate` must be one of {APPROXIMATIONS}, got {approximate!r}")
+    return approximate
+
+
+class LigerGELUMulFunction(torch.autograd.Function):
+    """``LigerGELUMulFunction.apply(a, b, approximate="tanh", in_place_backward=False)``.
+
+    ``in_place_backward=True`` writes the gradients into ``a``'s and ``b``'s buffers; use it only for
+    ``a``/``b`` that nothing else reads. By default fresh tensors are written.
+    """
+
+    @staticmethod
+    def forward(a, b, approximate="tanh", in_place_backward=False):
+        _gated.check_pair(a, b, OP)
+        activation = ACTIVATIONS[check_approximate(approximate)]
+        _gated.check_flag(in_place_backward, "in_place_backward", OP)
+        return _gated.gated_forward(a, b, activation)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, b, approximate, in_place_backward = inputs
+        _gated.save_for_backward(ctx, a, b, ACTIVATIONS[approximate], 1.0, 1.0, in_place_backward)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out):
+        d_a, d_b = _gated.backward_from_ctx(ctx, d_out)
+        return d_a, d_b, None, None
+
+
+def gelu_mul(a, b, approximate="tanh", in_place_backward=False):
+    """Functional form of :class:`LigerGELUMulFunction`."""
+    return LigerGELUMulFunction.apply(a, b, approximate, in_place_backward)

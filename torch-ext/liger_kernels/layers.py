@@ -1,0 +1,135 @@
+"""Layers for ``kernels.kernelize``.
+
+``kernelize`` binds a layer's ``forward`` to the host module (a ``LlamaMLP``, a ``GemmaMLP``, ...), so
+``self`` is the host: the layers read its ``gate_proj``, ``up_proj`` and ``down_proj`` and hold no state of
+their own. ``kernels`` rejects a layer with a constructor or members other than ``forward``,
+``can_torch_compile`` and ``has_backward``, so the math lives in the module-level functions below.
+"""
+
+import torch
+from torch import nn
+
+from . import geglu as _geglu
+from . import swiglu as _swiglu
+
+# How a host's activation is recognized: its ``act_fn`` (module or function) first, since that is what the
+# host computes, else its config's ``hidden_act`` / ``hidden_activation``.
+_SILU = "silu"
+_GELU_TANH = "tanh"
+_GELU_EXACT = "none"
+_ACTIVATION_CLASSES = {
+    "SiLU": _SILU,
+    "SiLUActivation": _SILU,
+    "GELUActivation": _GELU_EXACT,  # erf form (also with use_gelu_python)
+    "GELUTanh": _GELU_TANH,
+    "PytorchGELUTanh": _GELU_TANH,
+    "NewGELUActivation": _GELU_TANH,
+    "FastGELUActivation": _GELU_TANH,
+    "AccurateGELUActivation": _GELU_TANH,
+}
+_ACTIVATION_NAMES = {
+    "silu": _SILU,
+    "swish": _SILU,
+    "gelu": _GELU_EXACT,
+    "gelu_python": _GELU_EXACT,
+    "gelu_pytorch_tanh": _GELU_TANH,
+    "gelu_python_tanh": _GELU_TANH,
+    "gelu_new": _GELU_TANH,
+    "gelu_fast": _GELU_TANH,
+    "gelu_accurate": _GELU_TANH,
+}
+
+
+def host_activation(module: nn.Module):
+    """The gated activation ``module`` computes: "silu", "tanh" (tanh-approximated GELU), "none" (exact
+    GELU), None when the module does not say, or a string describing an activation this package lacks."""
+    act_fn = getattr(module, "act_fn", None)
+    if act_fn is not None:
+        if isinstance(act_fn, nn.GELU):
+            return _GELU_TANH if act_fn.approximate == "tanh" else _GELU_EXACT
+        if act_fn is torch.nn.functional.silu:
+            return _SILU
+        if act_fn is torch.nn.functional.gelu:
+            return _GELU_EXACT
+        name = type(act_fn).__name__
+        return _ACTIVATION_CLASSES.get(name, f"act_fn {name}")
+    config = getattr(module, "config", None)
+    for key in ("hidden_act", "hidden_activation"):
+        name = getattr(config, key, None)
+        if isinstance(name, str):
+            return _ACTIVATION_NAMES.get(name, f"config.{key}={name!r}")
+    return None
+
+
+def _check_silu_host(module: nn.Module, layer: str) -> None:
+    found = host_activation(module)
+    if found not in (None, _SILU):
+        raise ValueError(
+            f"{layer} computes silu(gate_proj(x)) * up_proj(x), but the host {type(module).__name__} uses "
+            f"{_describe(found)}; map this module to a layer with its own activation instead"
+        )
+
+
+def _gelu_form(module: nn.Module, layer: str) -> str:
+    found = host_activation(module)
+    if found is None:
+        return _GELU_TANH
+    if found not in (_GELU_TANH, _GELU_EXACT):
+        raise ValueError(
+            f"{layer} computes gelu(gate_proj(x)) * up_proj(x) (tanh or exact GELU), but the host "
+            f"{type(module).__name__} uses {_describe(found)}"
+        )
+    return found
+
+
+def _describe(found: str) -> str:
+    return {_SILU: "SiLU", _GELU_TANH: "tanh-approximated GELU", _GELU_EXACT: "exact GELU"}.get(found, found)
+
+
+def _output_is_private(proj: nn.Module) -> bool:
+    """True when ``proj(x)`` returns a fresh tensor nobody else keeps: a plain ``nn.Linear`` call without
+    hooks. Only then may backward write gradients over it."""
+    return (
+        isinstance(proj, nn.Linear)
+        and type(proj).forward is nn.Linear.forward
+        and not proj._forward_hooks
+        and not nn.modules.module._global_forward_hooks
+    )
+
+
+def _in_place_ok(module: nn.Module) -> bool:
+    return _output_is_private(module.gate_proj) and _output_is_private(module.up_proj)
+
+
+def swiglu_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the fused SwiGLU."""
+    _check_silu_host(module, "LigerSwiGLUMLP")
+    gate, up = module.gate_proj(x), module.up_proj(x)
+    return module.down_proj(_swiglu.silu_mul(gate, up, 1.0, 1.0, _in_place_ok(module)))
+
+
+def geglu_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``down_proj(gelu(gate_proj(x)) * up_proj(x))`` with the fused GeGLU, in the host's GELU form."""
+    approximate = _gelu_form(module, "LigerGEGLUMLP")
+    gate, up = module.gate_proj(x), module.up_proj(x)
+    return module.down_proj(_geglu.gelu_mul(gate, up, approximate, _in_place_ok(module)))
+
+
+class LigerSwiGLUMLP(nn.Module):
+    """SwiGLU MLP (Llama, Mistral, Qwen): ``down_proj(silu(gate_proj(x)) * up_proj(x))``, fused activation."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu_mlp(self, x)
+
+
+class LigerGEGLUMLP(nn.Module):
+    """GeGLU MLP (Gemma): ``down_proj(gelu(gate_proj(x)) * up_proj(x))``, tanh or exact GELU as the host."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return geglu_mlp(self, x)
