@@ -65,8 +65,8 @@ def check_flag(value, arg: str, op: str) -> bool:
 # taken with .chunk(2, -1)) are read in place through their row stride. Offsets are int64 throughout, so
 # tensors of more than 2**31 elements and rows of any width work.
 
-BLOCK = 1024
-NUM_WARPS = 4
+BLOCK = 2048
+NUM_WARPS = 8
 
 
 @jit
