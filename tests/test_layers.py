@@ -180,3 +180,79 @@ def test_kernelize_with_local_layer_repository(lk, variant_root):
     assert model.geglu.forward.__func__.__qualname__ == "LigerGEGLUMLP.forward"
     assert model.swiglu.forward.__func__.__module__.startswith(lk.__name__)
     assert rel_err(model(x), reference(x)) < 1e-5
+
+
+TILED_HOSTS = {  # host, tiled layer
+    "llama_silu": (llama_mlp, "LigerTiledSwiGLUMLP"),
+    "llama_silu_bias": (lambda: llama_mlp(bias=True), "LigerTiledSwiGLUMLP"),
+    "gemma_gelu_tanh": (gemma_mlp, "LigerTiledGEGLUMLP"),
+    "gelu_exact": (lambda: llama_mlp(act="gelu"), "LigerTiledGEGLUMLP"),
+    "linear": (lambda: torch.nn.Linear(HIDDEN, 3 * HIDDEN), "LigerLinear"),
+}
+
+
+@pytest.mark.parametrize("num_shards", [None, 5])
+@pytest.mark.parametrize("host_name", sorted(TILED_HOSTS))
+def test_tiled_layers_equal_their_host_in_float64(lk, host_name, num_shards):
+    make_host, layer = TILED_HOSTS[host_name]
+    torch.manual_seed(0)
+    host = make_host().double()
+    tiled = bind(getattr(lk, layer), copy.deepcopy(host))
+    if num_shards is not None:
+        tiled.num_shards = num_shards
+    x = torch.randn(2, 3 * HIDDEN + 7, HIDDEN, dtype=torch.float64)
+    d_out = torch.randn(2, 3 * HIDDEN + 7, host(x).shape[-1], dtype=torch.float64)
+    (out_h, grads_h), (out_t, grads_t) = run(host, x, d_out), run(tiled, x, d_out)
+    for want, got in zip([out_h, *grads_h], [out_t, *grads_t]):
+        assert (want - got).abs().max().item() < 1e-12
+
+
+def test_tiled_swiglu_layer_refuses_a_non_silu_host(lk):
+    host = bind(lk.LigerTiledSwiGLUMLP, llama_mlp(act="gelu"))
+    with pytest.raises(ValueError, match="LigerSwiGLUMLP computes silu"):
+        host(torch.randn(1, 8, HIDDEN))
+
+
+def test_liger_linear_takes_1d_input(lk):
+    host = torch.nn.Linear(HIDDEN, 7)
+    x = torch.randn(HIDDEN)
+    assert torch.allclose(bind(lk.LigerLinear, copy.deepcopy(host))(x), host(x))
+
+
+def test_kernelize_training_maps_the_tiled_layers(lk, variant_root):
+    """TRAINING: SwiGLUMLP -> LigerTiledSwiGLUMLP, GeGLUMLP -> LigerTiledGEGLUMLP, Linear -> LigerLinear."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.swiglu = llama_mlp()
+            self.geglu = gemma_mlp()
+            self.head = torch.nn.Linear(HIDDEN, 11)
+
+        def forward(self, x):
+            return self.head(self.geglu(self.swiglu(x)))
+
+    class TaggedLinear(torch.nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    model = Block().double()
+    model.head.__class__ = TaggedLinear
+    reference = copy.deepcopy(model)
+    layers = (("SwiGLUMLP", "LigerTiledSwiGLUMLP"), ("GeGLUMLP", "LigerTiledGEGLUMLP"), ("Linear", "LigerLinear"))
+    mapping = {name: {"cpu": {Mode.TRAINING: LocalLayerRepository(variant_root, layer_name=layer)}} for name, layer in layers}
+    replace_kernel_forward_from_hub(LlamaMLP, "SwiGLUMLP")
+    replace_kernel_forward_from_hub(GemmaMLP, "GeGLUMLP")
+    replace_kernel_forward_from_hub(TaggedLinear, "Linear")
+    try:
+        with use_kernel_mapping(mapping, inherit_mapping=False):
+            kernelize(model, mode=Mode.TRAINING, device="cpu")
+    finally:
+        for cls in (LlamaMLP, GemmaMLP, TaggedLinear):
+            del cls.kernel_layer_name, cls.kernel_condition
+    for module, layer in ((model.swiglu, "LigerTiledSwiGLUMLP"), (model.geglu, "LigerTiledGEGLUMLP"), (model.head, "LigerLinear")):
+        assert module.forward.__func__.__qualname__ == f"{layer}.forward"
+    x = torch.randn(2, 3 * HIDDEN, HIDDEN, dtype=torch.float64)
+    (out, grads), (ref, ref_grads) = run(model, x, torch.ones(2, 3 * HIDDEN, 11, dtype=torch.float64)), run(reference, x, torch.ones(2, 3 * HIDDEN, 11, dtype=torch.float64))
+    for got, want in zip([out, *grads], [ref, *ref_grads]):
+        assert (got - want).abs().max().item() < 1e-12

@@ -1,22 +1,29 @@
-"""liger-kernels: fused Triton SwiGLU/GeGLU and layers for ``kernels.kernelize``.
+"""liger-kernels: fused Triton SwiGLU/GeGLU, the tiled MLP, and layers for ``kernels.kernelize``.
 
 Loaded as ``kernels.get_kernel("kernels-community/liger-kernels", version=3)``; the loader imports this
 package under its own name, so everything here is imported relatively.
 """
 
-from . import geglu, layers, swiglu
+from . import geglu, layers, swiglu, tiled_mlp
 from .geglu import LigerGELUMulFunction, gelu_mul
-from .layers import LigerGEGLUMLP, LigerSwiGLUMLP
+from .layers import LigerGEGLUMLP, LigerLinear, LigerSwiGLUMLP, LigerTiledGEGLUMLP, LigerTiledSwiGLUMLP
 from .swiglu import LigerSiLUMulFunction, silu_mul
+from .tiled_mlp import LigerTiledMLPFunction, apply_tiled_mlp
 
 __all__ = [
     "LigerGELUMulFunction",
     "LigerGEGLUMLP",
+    "LigerLinear",
     "LigerSiLUMulFunction",
     "LigerSwiGLUMLP",
+    "LigerTiledGEGLUMLP",
+    "LigerTiledMLPFunction",
+    "LigerTiledSwiGLUMLP",
+    "apply_tiled_mlp",
     "gelu_mul",
     "geglu",
     "layers",
     "silu_mul",
     "swiglu",
+    "tiled_mlp",
 ]

@@ -1,4 +1,4 @@
-"""Layers for ``kernels.kernelize``.
+"""Layers for ``kernels.kernelize``: the fused MLPs, their tiled forms, and a tiled Linear.
 
 ``kernelize`` binds a layer's ``forward`` to the host module (a ``LlamaMLP``, a ``GemmaMLP``, ...), so
 ``self`` is the host: the layers read its ``gate_proj``, ``up_proj`` and ``down_proj`` and hold no state of
@@ -7,10 +7,12 @@ their own. ``kernels`` rejects a layer with a constructor or members other than 
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import geglu as _geglu
 from . import swiglu as _swiglu
+from .tiled_mlp import apply_tiled_mlp
 
 # How a host's activation is recognized: its ``act_fn`` (module or function) first, since that is what the
 # host computes, else its config's ``hidden_act`` / ``hidden_activation``.
@@ -133,3 +135,42 @@ class LigerGEGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return geglu_mlp(self, x)
+
+
+def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
+def tiled(fn, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``fn(module, x)`` through the tiled MLP; a host attribute ``num_shards`` overrides ceil(S / H)."""
+    return apply_tiled_mlp(fn, module, x, num_shards=getattr(module, "num_shards", None))
+
+
+class LigerTiledSwiGLUMLP(nn.Module):
+    """:class:`LigerSwiGLUMLP` run over sequence shards and recomputed in backward (long sequences)."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled(swiglu_mlp, self, x)
+
+
+class LigerTiledGEGLUMLP(nn.Module):
+    """:class:`LigerGEGLUMLP` run over sequence shards and recomputed in backward (long sequences)."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled(geglu_mlp, self, x)
+
+
+class LigerLinear(nn.Module):
+    """A host ``nn.Linear`` run over sequence shards and recomputed in backward; 1-D input runs untiled."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return linear(self, input) if input.dim() < 2 else tiled(linear, self, input)

@@ -1,0 +1,245 @@
+"""The tiled MLP in one process: the seed's float64 table and more, gradient accumulation counts, the ZeRO-3
+path, autocast and dropout replay, precision in bf16, saved memory, and misuse that must raise."""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import rel_err
+from tiled_cases import GatedMLP, call, max_abs_diff, tiled_and_untiled_grads
+
+H = 64
+
+
+def mark_zero3(module):
+    """What DeepSpeed ZeRO-3 leaves on each partitioned parameter."""
+    for i, p in enumerate(module.parameters()):
+        p.ds_id = i
+    return module
+
+
+SEED_TABLE = {  # name: (module kwargs, x shape, num_shards, x requires grad, zero3)
+    "baseline [2, 256, 64], 4 shards": ({}, (2, 256, H), 4, True, False),
+    "2-D input (MoE experts)": ({}, (256, H), 4, True, False),
+    "S not divisible by shards": ({}, (2, 250, H), 7, True, False),
+    "auto num_shards": ({}, (2, 256, H), None, True, False),
+    "single shard": ({}, (2, 256, H), 1, True, False),
+    "out_features != in_features": ({"out_features": 48}, (2, 256, H), 4, True, False),
+    "x without requires_grad": ({}, (2, 256, H), 4, False, False),
+    "ZeRO-3 path": ({}, (2, 256, H), 4, True, True),
+    "ZeRO-3, S not divisible": ({}, (2, 250, H), 7, True, True),
+    "ZeRO-3, x without requires_grad": ({}, (2, 256, H), 4, False, True),
+    "biases": ({"bias": True}, (2, 256, H), 4, True, False),
+    "more shards than rows": ({}, (2, 5, H), 8, True, False),
+    "S = 1, auto": ({}, (3, 1, H), None, True, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SEED_TABLE))
+def test_float64_tiled_equals_untiled(lk, case):
+    kwargs, shape, num_shards, x_grad, zero3 = SEED_TABLE[case]
+    torch.manual_seed(0)
+    module = GatedMLP(H, 160, **kwargs).double()
+    if zero3:
+        mark_zero3(module)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=x_grad)
+    tiled, untiled = tiled_and_untiled_grads(lk, module, x, num_shards)
+    assert all(g is not None for g in tiled[1]), "every trainable tensor gets a gradient"
+    assert max_abs_diff(tiled, untiled) < 1e-12
+
+
+def test_frozen_parameters_stay_none(lk):
+    """LoRA-style: frozen weights get no gradient, trainable ones get the untiled one."""
+    module = GatedMLP(H, 160, bias=True).double()
+    module.gate_proj.weight.requires_grad_(False)
+    module.down_proj.bias.requires_grad_(False)
+    x = torch.randn(2, 256, H, dtype=torch.float64, requires_grad=True)
+    tiled, untiled = tiled_and_untiled_grads(lk, module, x, 4)
+    assert module.gate_proj.weight.grad is None and module.down_proj.bias.grad is None
+    assert max_abs_diff(tiled, untiled) < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(2, 0, H), (0, H)])
+def test_empty_sequence(lk, shape):
+    module = GatedMLP(H, 160).double()
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    out = lk.apply_tiled_mlp(call, module, x)
+    assert out.shape == shape
+    out.sum().backward()
+    assert x.grad.shape == shape
+    assert all(p.grad is not None and not p.grad.any() for p in module.parameters())
+
+
+def test_auto_shards_are_ceil_s_over_h(lk):
+    calls = []
+
+    def counting(module, shard):
+        calls.append(shard.shape[-2])
+        return module(shard)
+
+    module = GatedMLP(H, 160).double()
+    lk.apply_tiled_mlp(counting, module, torch.randn(2, 3 * H + 1, H, dtype=torch.float64))
+    assert calls == [49, 48, 48, 48]  # ceil(193 / 64) = 4 shards, sizes within one of each other
+
+
+@pytest.mark.parametrize("num_shards", [0, -2, 2.0, True, "4"])
+def test_bad_num_shards(lk, num_shards):
+    with pytest.raises(ValueError, match="`num_shards` must be None"):
+        lk.apply_tiled_mlp(call, GatedMLP(H, 32), torch.randn(4, H), num_shards)
+
+
+def test_bad_arguments(lk):
+    module = GatedMLP(H, 32)
+    with pytest.raises(TypeError, match="`fn` must be callable"):
+        lk.apply_tiled_mlp("mlp", module, torch.randn(4, H))
+    with pytest.raises(TypeError, match="`x` must be a torch.Tensor"):
+        lk.apply_tiled_mlp(call, module, [[1.0] * H])
+    with pytest.raises(ValueError, match=r"`x` must be \[B, S, H\] or \[S, H\]"):
+        lk.apply_tiled_mlp(call, module, torch.randn(H))
+    with pytest.raises(TypeError, match="`compute_params` must hold tensors"):
+        lk.apply_tiled_mlp(call, module, torch.randn(4, H), None, ["weight"])
+
+
+def accumulation_log(module):
+    log = {name: [] for name, _ in module.named_parameters()}
+    for name, p in module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: log[name].append(getattr(p, "ds_grad_is_ready", None)))
+    return log
+
+
+def test_each_weight_accumulates_once_per_backward(lk):
+    module = GatedMLP(H, 160, bias=True).double()
+    log = accumulation_log(module)
+    x = torch.randn(2, 256, H, dtype=torch.float64, requires_grad=True)
+    lk.apply_tiled_mlp(call, module, x, 8).sum().backward()
+    assert {name: len(fired) for name, fired in log.items()} == {name: 1 for name in log}
+
+
+def test_zero3_accumulates_per_shard_and_flags_the_last(lk):
+    module = mark_zero3(GatedMLP(H, 160).double())
+    log = accumulation_log(module)
+    x = torch.randn(2, 256, H, dtype=torch.float64, requires_grad=True)
+    lk.apply_tiled_mlp(call, module, x, 8).sum().backward()
+    for name, flags in log.items():
+        assert flags == [False] * 7 + [True], name
+
+
+def test_autocast_is_replayed_in_the_recompute(lk):
+    """Under bf16 autocast the tiled call computes what untiled autocast computes. Output and input gradient
+    are row-wise, so they match exactly; weight gradients differ only by the per-shard bf16 rounding of the
+    GEMMs, well inside the autocast-vs-fp32 gap that a recompute without autocast would show."""
+    torch.manual_seed(0)
+    module = GatedMLP(H, 160)
+    x = torch.randn(2, 256, H, requires_grad=True)
+    d_out = torch.randn(2, 256, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tiled, untiled = tiled_and_untiled_grads(lk, module, x, 4, d_out)
+    _, fp32 = tiled_and_untiled_grads(lk, module, x, 4, d_out)
+    for t, u, f in zip([tiled[0], tiled[1][0]], [untiled[0], untiled[1][0]], [fp32[0], fp32[1][0]]):
+        assert rel_err(t, u) < 1e-6 < 1e-3 < rel_err(u, f)
+    for t, u, f in zip(tiled[1][1:], untiled[1][1:], fp32[1][1:]):
+        assert rel_err(t, u) < 0.6 * rel_err(u, f)
+
+
+def test_dropout_draws_the_same_masks_in_the_recompute(lk):
+    """Backward must differentiate the function the forward computed: the reference runs the same shards
+    with autograd (same random stream), the tiled call recomputes them. The caller's RNG is left as it was."""
+    module = GatedMLP(H, 160, dropout=0.5).double()
+    x = torch.randn(2, 256, H, dtype=torch.float64, requires_grad=True)
+    d_out = torch.randn(2, 256, H, dtype=torch.float64)
+
+    torch.manual_seed(123)
+    ref = torch.cat([module(s) for s in torch.tensor_split(x, 4, dim=-2)], dim=-2)
+    want = torch.autograd.grad(ref, [x, *module.parameters()], d_out)
+
+    torch.manual_seed(123)
+    out = lk.apply_tiled_mlp(call, module, x, 4)
+    assert torch.equal(out, ref)
+    state = torch.get_rng_state()
+    got = torch.autograd.grad(out, [x, *module.parameters()], d_out)
+    assert torch.equal(torch.get_rng_state(), state)
+    for g, w in zip(got, want):
+        assert (g - w).abs().max().item() < 1e-12
+
+
+def test_bf16_weight_gradients_summed_in_fp32(lk):
+    """64 shards in bf16: the tiled weight-gradient error against float64 stays within 1.5x the untiled bf16
+    error (summing shard gradients in bf16 instead gives about 2x)."""
+    torch.manual_seed(0)
+    module64 = GatedMLP(H, 128).double()
+    module = copy.deepcopy(module64).bfloat16()
+    x = torch.randn(1, 4096, H, dtype=torch.float64)
+    d_out = torch.randn(1, 4096, H, dtype=torch.float64)
+    (_, want), _ = tiled_and_untiled_grads(lk, module64, x, 1, d_out)
+    tiled, untiled = tiled_and_untiled_grads(lk, module, x.bfloat16(), 64, d_out.bfloat16())
+    for t, u, w in zip(tiled[1][1:], untiled[1][1:], want[1:]):
+        assert t.dtype == torch.bfloat16
+        assert rel_err(t, w) <= 1.5 * rel_err(u, w)
+
+
+def test_graph_saves_x_and_nothing_intermediate_sized(lk):
+    S, I = 512, 4 * H
+    module = GatedMLP(H, I)
+    x = torch.randn(1, S, H, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append((t.numel(), t.data_ptr()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = lk.apply_tiled_mlp(call, module, x, 4)
+    assert (x.numel(), x.data_ptr()) in saved
+    assert max(n for n, _ in saved) <= S * H < S * I
+    out.sum().backward()  # and the graph still runs
+
+
+def test_double_backward_is_a_clear_error(lk):
+    module = GatedMLP(H, 160).double()
+    x = torch.randn(2, 64, H, dtype=torch.float64, requires_grad=True)
+    out = lk.apply_tiled_mlp(call, module, x, 2)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def test_a_weight_left_out_of_compute_params_is_an_error(lk):
+    module = GatedMLP(H, 160).double()
+    x = torch.randn(2, 64, H, dtype=torch.float64, requires_grad=True)
+    partial = [module.gate_proj.weight, module.up_proj.weight]
+    out = lk.apply_tiled_mlp(call, module, x, 2, compute_params=partial)
+    with pytest.raises(RuntimeError, match="its gradient would be lost"):
+        out.sum().backward()
+
+
+def test_stale_compute_params_are_an_error(lk):
+    """Parameters captured before a wrapper replaced them (fully_shard does): never a silent zero gradient."""
+    module = GatedMLP(H, 160).double()
+    captured = list(module.parameters())
+    for proj in (module.gate_proj, module.up_proj, module.down_proj):
+        proj.weight = torch.nn.Parameter(proj.weight.detach().clone())
+    x = torch.randn(2, 64, H, dtype=torch.float64)  # no grad: only the weights could carry the backward
+    out = lk.apply_tiled_mlp(call, module, x, 2, compute_params=captured)
+    with pytest.raises(RuntimeError, match="its gradient would be lost"):
+        out.sum().backward()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    batch=st.one_of(st.none(), st.integers(1, 3)),
+    seq=st.integers(0, 70),
+    hidden=st.integers(1, 24),
+    intermediate=st.integers(1, 40),
+    num_shards=st.one_of(st.none(), st.integers(1, 12)),
+    x_grad=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_tiled_equals_untiled(lk, batch, seq, hidden, intermediate, num_shards, x_grad, seed):
+    torch.manual_seed(seed)
+    module = GatedMLP(hidden, intermediate).double()
+    shape = (seq, hidden) if batch is None else (batch, seq, hidden)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=x_grad)
+    tiled, untiled = tiled_and_untiled_grads(lk, module, x, num_shards)
+    assert max_abs_diff(tiled, untiled) < 1e-12

@@ -1,0 +1,287 @@
+"""The tiled MLP: run an MLP over sequence shards and recompute each shard in backward, so a long sequence
+needs the MLP intermediates (the S x I gate/up activations) of one shard at a time.
+
+Forward runs ``fn(mlp_module, shard)`` for each shard of ``x`` along the sequence dimension (``x.shape[-2]``)
+under ``no_grad`` and concatenates. Backward recomputes each shard with grad and takes its gradients with
+``torch.autograd.grad``.
+
+How gradients reach the parameters must not change with tiling. The trainable parameters are inputs of the
+autograd Function and their gradients are *returned* from its backward, summed over shards in fp32 and cast
+once, so autograd accumulates each one exactly once per backward and no AccumulateGrad node (where DDP and
+FSDP hang their per-parameter hooks) fires inside the shard loop.
+
+DeepSpeed ZeRO-3 is the exception: its partitioned parameters (marked by ``ds_id``) are 0-sized outside their
+module's forward, so they cannot be Function inputs. They keep a per-shard path: each shard's backward
+accumulates into ``.grad`` through DeepSpeed's own hooks, with ``ds_grad_is_ready`` False on every shard but
+the last, which defers DeepSpeed's reduction to the last shard.
+"""
+
+import contextlib
+import math
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+OP = "apply_tiled_mlp"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shards
+
+
+def check_num_shards(num_shards) -> Optional[int]:
+    if num_shards is None:
+        return None
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"{OP}: `num_shards` must be None (automatic) or an int >= 1, got {num_shards!r}")
+    return num_shards
+
+
+def auto_num_shards(x: torch.Tensor) -> int:
+    """ceil(S / H): shards of about H tokens, so each shard's S x I intermediates are about I x H, the size of
+    one weight matrix."""
+    seq_len, hidden = x.shape[-2], x.shape[-1]
+    return max(1, math.ceil(seq_len / max(hidden, 1)))
+
+
+def harmonize_num_shards(num_shards: int, x: torch.Tensor) -> int:
+    """Under torch.distributed every rank must run the same number of shards: ZeRO-3 and FSDP gather
+    parameters inside each shard's forward, and a rank that ran fewer shards would leave the others waiting
+    in a collective forever. Take the maximum over ranks (extra shards are just empty)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return num_shards
+    count = torch.tensor([num_shards], dtype=torch.int64, device=_collective_device(x))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
+def _collective_device(x: torch.Tensor) -> torch.device:
+    if dist.get_backend() == "gloo" or x.device.type == "meta":
+        return torch.device("cpu")
+    return x.device
+
+
+def shard_bounds(seq_len: int, num_shards: int) -> List[tuple]:
+    """(start, length) of each shard; sizes differ by at most one, trailing shards may be empty."""
+    base, extra = divmod(seq_len, num_shards)
+    bounds, start = [], 0
+    for i in range(num_shards):
+        length = base + (1 if i < extra else 0)
+        bounds.append((start, length))
+        start += length
+    return bounds
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the recompute must see again: autocast and random state.
+
+
+def _autocast_state(device_type: str):
+    kinds = {device_type, "cpu"}
+    return [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in sorted(kinds)], (
+        torch.is_autocast_cache_enabled()
+    )
+
+
+@contextlib.contextmanager
+def _replay_autocast(state):
+    kinds, cache_enabled = state
+    with contextlib.ExitStack() as stack:
+        for kind, enabled, dtype in kinds:
+            stack.enter_context(torch.autocast(device_type=kind, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
+        yield
+
+
+def _rng_devices(device: torch.device):
+    if device.type in ("cpu", "meta"):
+        return None, []
+    module = getattr(torch, device.type, None)
+    if module is None or not hasattr(module, "get_rng_state"):
+        return None, []
+    index = device.index if device.index is not None else module.current_device()
+    return module, [index]
+
+
+def _capture_rng(device: torch.device):
+    module, indices = _rng_devices(device)
+    device_state = module.get_rng_state(indices[0]) if module is not None else None
+    return torch.get_rng_state(), device_state
+
+
+@contextlib.contextmanager
+def _replay_rng(device: torch.device, state):
+    """Restore the forward's random state for the recompute, and the caller's afterwards."""
+    module, indices = _rng_devices(device)
+    with torch.random.fork_rng(devices=indices, device_type=device.type if module is not None else "cuda"):
+        cpu_state, device_state = state
+        torch.set_rng_state(cpu_state)
+        if module is not None:
+            module.set_rng_state(device_state, indices[0])
+        yield
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parameters
+
+
+def is_zero3(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def trainable_params(mlp_module, compute_params) -> List[torch.Tensor]:
+    """The parameters whose gradients the tiled call must deliver: ``compute_params`` if given, else the
+    module's, resolved now (not captured earlier: FSDP2 and ZeRO-3 replace or re-register parameters)."""
+    if compute_params is None:
+        if not isinstance(mlp_module, torch.nn.Module):
+            raise TypeError(f"{OP}: `mlp_module` must be an nn.Module when `compute_params` is None")
+        candidates = list(mlp_module.parameters())
+    else:
+        candidates = list(compute_params)
+        for p in candidates:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{OP}: `compute_params` must hold tensors, got {type(p).__name__}")
+    seen, params = set(), []
+    for p in candidates:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    return params
+
+
+def _leaves_reached(output: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors requiring grad whose AccumulateGrad nodes ``output``'s graph reaches."""
+    leaves, seen, stack = [], set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+def _check_no_gradient_is_lost(output, delivered: Sequence[torch.Tensor], shard_x) -> None:
+    known = {id(t) for t in delivered} | {id(shard_x)}
+    for leaf in _leaves_reached(output):
+        if id(leaf) not in known:
+            shape = tuple(leaf.shape)
+            raise RuntimeError(
+                f"{OP}: `fn` uses a tensor that requires grad (shape {shape}) which is not among the parameters "
+                "the tiled call delivers gradients to, so its gradient would be lost. Pass compute_params=None to "
+                "use the module's current parameters, or list every trainable tensor fn uses (after any wrapping "
+                "such as fully_shard, which replaces the module's parameters)."
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The autograd Function
+
+
+class LigerTiledMLPFunction(torch.autograd.Function):
+    """``LigerTiledMLPFunction.apply(fn, mlp_module, x, num_shards, zero3_params, anchor, *params)``.
+
+    ``params`` are the trainable parameters whose gradients this Function returns, summed over shards.
+    ``zero3_params`` (a list, not inputs) are DeepSpeed ZeRO-3 parameters, accumulated per shard; ``anchor``
+    is None or an empty tensor requiring grad that keeps the output differentiable when nothing else would.
+    :func:`apply_tiled_mlp` resolves all of these and the shard count.
+    """
+
+    @staticmethod
+    def forward(ctx, fn, mlp_module, x, num_shards, zero3_params, anchor, *params):
+        ctx.fn, ctx.mlp_module = fn, mlp_module
+        ctx.zero3_params, ctx.params = list(zero3_params), list(params)
+        ctx.bounds = shard_bounds(x.shape[-2], num_shards)
+        ctx.autocast = _autocast_state(x.device.type)
+        ctx.rng = _capture_rng(x.device)
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            outputs = [fn(mlp_module, x.narrow(-2, start, length)) for start, length in ctx.bounds]
+        return torch.cat(outputs, dim=-2)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "LigerTiledMLPFunction does not support double backward (create_graph=True): it recomputes "
+                "each shard and returns first-order gradients only"
+            )
+        (x,) = ctx.saved_tensors
+        want_x = ctx.needs_input_grad[2]
+        d_x = torch.empty_like(x) if want_x else None
+        sums = [None] * len(ctx.params)
+        with _replay_rng(x.device, ctx.rng):
+            for i, (start, length) in enumerate(ctx.bounds):
+                shard_x = x.narrow(-2, start, length).detach().requires_grad_(want_x)
+                with torch.enable_grad(), _replay_autocast(ctx.autocast):
+                    out = ctx.fn(ctx.mlp_module, shard_x)
+                if not out.requires_grad:  # nothing in this shard needs a gradient
+                    grads = [None] * (want_x + len(ctx.params))
+                else:
+                    if i == 0:
+                        _check_no_gradient_is_lost(out, ctx.params + ctx.zero3_params, shard_x)
+                    grads = _shard_grads(ctx, out, d_out.narrow(-2, start, length), shard_x, i)
+                if want_x:
+                    d_x_shard, grads = grads[0], grads[1:]
+                    target = d_x.narrow(-2, start, length)
+                    target.copy_(d_x_shard) if d_x_shard is not None else target.zero_()
+                sums = [_accumulate(total, g) for total, g in zip(sums, grads)]
+        param_grads = [None if total is None else total.to(p.dtype) for total, p in zip(sums, ctx.params)]
+        return (None, None, d_x, None, None, None, *param_grads)
+
+
+def _shard_grads(ctx, out, d_out_shard, shard_x, index):
+    """This shard's gradients for [shard_x if needed, *ctx.params]."""
+    inputs = ([shard_x] if shard_x.requires_grad else []) + ctx.params
+    if not ctx.zero3_params:
+        # No AccumulateGrad fires here: the gradients come back to be summed and returned once.
+        return torch.autograd.grad(out, inputs, d_out_shard, allow_unused=True)
+    for p in ctx.zero3_params:
+        p.ds_grad_is_ready = index == len(ctx.bounds) - 1
+    torch.autograd.backward(out, d_out_shard, inputs=inputs + ctx.zero3_params)
+    grads = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+    return grads
+
+
+def _accumulate(total, grad):
+    """Sum shard gradients in fp32 (fp64 for fp64), never in the parameter's low precision."""
+    if grad is None:
+        return total
+    if total is None:
+        wide = torch.promote_types(grad.dtype, torch.float32)
+        return grad.to(wide) if grad.dtype != wide else grad.clone()
+    return total.add_(grad)
+
+
+def apply_tiled_mlp(
+    fn: Callable, mlp_module, x: torch.Tensor, num_shards: Optional[int] = None, compute_params=None
+) -> torch.Tensor:
+    """``fn(mlp_module, x)`` computed shard by shard along the sequence dimension, recomputed in backward.
+
+    x: [B, S, H] or [S, H] (MoE experts); the shards split S (``x.shape[-2]``). num_shards: None for
+    ceil(S / H), or an int >= 1 (more shards than tokens is fine). compute_params: the trainable tensors fn
+    uses, if not the module's own parameters.
+    """
+    if not callable(fn):
+        raise TypeError(f"{OP}: `fn` must be callable as fn(mlp_module, shard), got {type(fn).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{OP}: `x` must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 2:
+        raise ValueError(f"{OP}: `x` must be [B, S, H] or [S, H], got shape {tuple(x.shape)}")
+    requested = check_num_shards(num_shards)
+    params = trainable_params(mlp_module, compute_params)
+    if requested is None:
+        num_shards = harmonize_num_shards(auto_num_shards(x), x)
+    else:
+        num_shards = requested
+    zero3 = [p for p in params if is_zero3(p)]
+    explicit = [] if zero3 else params
+    # ZeRO-3 weights are not Function inputs; when x needs no grad either, an anchor input makes the output
+    # require grad so that backward (and with it the weights' per-shard accumulation) runs at all.
+    anchor = torch.empty(0, device=x.device, requires_grad=True) if zero3 and not x.requires_grad else None
+    return LigerTiledMLPFunction.apply(fn, mlp_module, x, num_shards, zero3, anchor, *explicit)
