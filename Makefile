@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test variants
+.PHONY: demo ops test variants
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,7 +13,10 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) scripts/demo.py
+	$(PY) scripts/train_ddp.py
+
+ops: $(VENV)/.installed
+	$(PY) scripts/ops_report.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest tests

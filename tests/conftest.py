@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the package is loaded from a local build: no network, ever
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -134,9 +135,15 @@ def assert_close_to_rounding(out, ref, dtype, truncate=False, what="output"):
 
 def assert_faithful(out, ref, dtype, what="output"):
     """Size-independent bound: every element within one ulp of the exact result gives a relative error of
-    at most eps(dtype). Used where tensors are too small for the statistical bound above."""
+    at most eps(dtype). Used where tensors are too small for the statistical bound above.
+
+    fp32 inputs are computed at their own precision, and the gradients have zeros (SiLU' at z = -1.28,
+    GELU' at z = -0.75) where one element's relative error is unbounded; a tiny tensor can be dominated by
+    such an element, so fp32 gets 16 ulps in norm. A wrong formula, index or mask errs by 1e-3 or more."""
     err = rel_err(out, ref)
     bound = torch.finfo(dtype).eps + 4 * compute_eps(dtype)
+    if dtype == torch.float32:
+        bound = 16 * torch.finfo(dtype).eps
     assert err <= bound, f"{what}: relative error {err:.3e} > {bound:.3e}"
 
 

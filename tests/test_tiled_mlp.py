@@ -127,20 +127,30 @@ def test_zero3_accumulates_per_shard_and_flags_the_last(lk):
         assert flags == [False] * 7 + [True], name
 
 
-def test_autocast_is_replayed_in_the_recompute(lk):
+def autocast_grads(lk, module, base, d_out, tiled, leaf, enabled=True):
+    """Forward under bf16 autocast (backward outside it, as PyTorch advises), x a leaf or an activation."""
+    x = base if leaf else base * 1.0
+    with torch.autocast(base.device.type, dtype=torch.bfloat16, enabled=enabled):
+        out = lk.apply_tiled_mlp(call, module, x, 4) if tiled else module(x)
+    return [out, *torch.autograd.grad(out, [base, *module.parameters()], d_out)]
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["x leaf", "x activation"])
+def test_autocast_is_replayed_in_the_recompute(lk, leaf):
     """Under bf16 autocast the tiled call computes what untiled autocast computes. Output and input gradient
-    are row-wise, so they match exactly; weight gradients differ only by the per-shard bf16 rounding of the
-    GEMMs, well inside the autocast-vs-fp32 gap that a recompute without autocast would show."""
+    are row-wise, so they match exactly (autocast's cast cache included: the recompute feeds fn a shard of the
+    same kind as x); weight gradients differ only by the per-shard bf16 rounding of the GEMMs, well inside
+    the autocast-vs-fp32 gap that a recompute without autocast would show."""
     torch.manual_seed(0)
     module = GatedMLP(H, 160)
-    x = torch.randn(2, 256, H, requires_grad=True)
+    base = torch.randn(2, 256, H, requires_grad=True)
     d_out = torch.randn(2, 256, H)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        tiled, untiled = tiled_and_untiled_grads(lk, module, x, 4, d_out)
-    _, fp32 = tiled_and_untiled_grads(lk, module, x, 4, d_out)
-    for t, u, f in zip([tiled[0], tiled[1][0]], [untiled[0], untiled[1][0]], [fp32[0], fp32[1][0]]):
-        assert rel_err(t, u) < 1e-6 < 1e-3 < rel_err(u, f)
-    for t, u, f in zip(tiled[1][1:], untiled[1][1:], fp32[1][1:]):
+    tiled = autocast_grads(lk, module, base, d_out, True, leaf)
+    untiled = autocast_grads(lk, module, base, d_out, False, leaf)
+    fp32 = autocast_grads(lk, module, base, d_out, False, leaf, enabled=False)
+    for t, u, f in zip(tiled[:2], untiled[:2], fp32[:2]):
+        assert rel_err(t, u) == 0.0 and rel_err(u, f) > 1e-3
+    for t, u, f in zip(tiled[2:], untiled[2:], fp32[2:]):
         assert rel_err(t, u) < 0.6 * rel_err(u, f)
 
 
@@ -243,3 +253,40 @@ def test_property_tiled_equals_untiled(lk, batch, seq, hidden, intermediate, num
     x = torch.randn(shape, dtype=torch.float64, requires_grad=x_grad)
     tiled, untiled = tiled_and_untiled_grads(lk, module, x, num_shards)
     assert max_abs_diff(tiled, untiled) < 1e-12
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_activation_checkpointing_around_a_decoder_layer(lk, use_reentrant):
+    """torch.utils.checkpoint around a Llama decoder layer whose MLP is tiled: the gradients of the layer's
+    input and of every weight equal the plain untiled layer's."""
+    import types
+
+    from torch.utils.checkpoint import checkpoint
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=H, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    plain = LlamaDecoderLayer(config, layer_idx=0).double()
+    tiled = copy.deepcopy(plain)
+    tiled.mlp.forward = types.MethodType(lk.LigerTiledSwiGLUMLP.forward, tiled.mlp)
+    x = torch.randn(2, 3 * H, H, dtype=torch.float64)
+    position_ids = torch.arange(3 * H).unsqueeze(0)
+    cos_sin = LlamaRotaryEmbedding(config)(x, position_ids)
+    cos_sin = tuple(t.double() for t in cos_sin)
+    d_out = torch.randn(2, 3 * H, H, dtype=torch.float64)
+
+    def grads(layer, checkpointed):
+        leaf = x.detach().requires_grad_()
+
+        def run(h):
+            return layer(h, position_embeddings=cos_sin, position_ids=position_ids)
+
+        out = checkpoint(run, leaf, use_reentrant=use_reentrant) if checkpointed else run(leaf)
+        out = out[0] if isinstance(out, tuple) else out
+        layer.zero_grad(set_to_none=True)
+        out.backward(d_out)
+        return [leaf.grad] + [p.grad for p in layer.parameters()]
+
+    for got, want in zip(grads(tiled, True), grads(plain, False)):
+        assert (got - want).abs().max().item() < 1e-12

@@ -197,6 +197,9 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         ctx.bounds = shard_bounds(x.shape[-2], num_shards)
         ctx.autocast = _autocast_state(x.device.type)
         ctx.rng = _capture_rng(x.device)
+        # Autocast caches its casts of leaf tensors that require grad; the recompute feeds fn a shard of the
+        # same kind (leaf or not) as x, so that it makes the same casts and the same gradient sums as untiled.
+        ctx.x_is_grad_leaf = x.is_leaf and x.requires_grad
         ctx.save_for_backward(x)
         with torch.no_grad():
             outputs = [fn(mlp_module, x.narrow(-2, start, length)) for start, length in ctx.bounds]
@@ -217,7 +220,7 @@ class LigerTiledMLPFunction(torch.autograd.Function):
             for i, (start, length) in enumerate(ctx.bounds):
                 shard_x = x.narrow(-2, start, length).detach().requires_grad_(want_x)
                 with torch.enable_grad(), _replay_autocast(ctx.autocast):
-                    out = ctx.fn(ctx.mlp_module, shard_x)
+                    out = ctx.fn(ctx.mlp_module, shard_x if ctx.x_is_grad_leaf else shard_x.view_as(shard_x))
                 if not out.requires_grad:  # nothing in this shard needs a gradient
                     grads = [None] * (want_x + len(ctx.params))
                 else:

@@ -1,4 +1,4 @@
-"""Main job (for now): load liger-kernels the way users do and run its ops and layers on the CPU.
+"""Error report (`make ops`): load liger-kernels the way users do and run its ops and layers on the CPU.
 
 Builds the variant tree into a temporary directory, loads it with ``kernels.get_local_kernel``, then runs
 SwiGLU, GeGLU (tanh and exact) and the two kernelize layers, and prints each one's relative error against a
