@@ -10,6 +10,7 @@ options (no_sync accumulation, find_unused_parameters, static_graph, float64).
 """
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -71,10 +72,8 @@ def batch(rank: int, step: int, micro: int, seq: int) -> torch.Tensor:
 
 def run_rank(rank, world, port, variant_root, options, out_dir):
     """One rank: DDP-train the kernelized model and an untiled reference side by side; write a JSON log."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from transformers import LlamaForCausalLM
-
     import faulthandler
+    import gc
     import logging
 
     faulthandler.dump_traceback_later(options.get("dump_after_s", 200), exit=False)  # where a hang hangs
@@ -84,67 +83,68 @@ def run_rank(rank, world, port, variant_root, options, out_dir):
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
     try:
-        dtype = getattr(torch, options.get("dtype", "float32"))
-        torch.manual_seed(0)
-        reference = LlamaForCausalLM(tiny_llama_config()).to(dtype)
-        model = kernelize_tiled(copy.deepcopy(reference), Path(variant_root))
-        for frozen in options.get("freeze", []):
-            for name, p in list(model.named_parameters()) + list(reference.named_parameters()):
-                if frozen in name:
-                    p.requires_grad_(False)
-        ddp = DDP(
-            model,
-            find_unused_parameters=options.get("find_unused_parameters", False),
-            static_graph=options.get("static_graph", False),
-        )
-        lr, seq, micro_batches = 0.5, options.get("seq", 256), options.get("micro_batches", 1)
-        opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=lr)
-        ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=lr)
-        log = []
-        for step in range(options.get("steps", 2)):
-            opt.zero_grad(set_to_none=True)
-            ref_opt.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            for micro in range(micro_batches):
-                ids = batch(rank, step, micro, seq)
-                sync = ddp.no_sync() if micro < micro_batches - 1 else _nullcontext()
-                with sync:
-                    loss = ddp(input_ids=ids, labels=ids).loss
-                    loss.backward()
-                loss_sum += loss.detach().double()
-                for r in range(world):  # the reference sees the global batch: the mean over ranks
-                    ids_r = batch(r, step, micro, seq)
-                    (reference(input_ids=ids_r, labels=ids_r).loss / world).backward()
-            dist.all_reduce(loss_sum)
-            grad_diff = max(
-                (p.grad - q.grad).abs().max().item()
-                for p, q in zip(model.parameters(), reference.parameters())
-                if p.requires_grad
-            )
-            assert all(q.grad is None for q in model.parameters() if not q.requires_grad)
-            opt.step()
-            ref_opt.step()
-            weight_diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            gathered = [torch.empty_like(flat) for _ in range(world)]
-            dist.all_gather(gathered, flat)
-            ranks_agree = all(torch.equal(g, gathered[0]) for g in gathered)
-            log.append({
-                "step": step, "loss": loss_sum.item() / (world * micro_batches), "grad_diff": grad_diff,
-                "weight_diff": weight_diff, "ranks_agree": ranks_agree,
-            })  # fmt: skip
+        log = train(rank, world, Path(variant_root), options)
+        gc.collect()  # DDP's reducer must go while its process group still exists, or teardown can hang
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(log))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-class _nullcontext:
-    def __enter__(self):
-        return self
+def train(rank, world, variant_root, options):
+    """The training loop of one rank; every DDP object it makes is gone when it returns."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from transformers import LlamaForCausalLM
 
-    def __exit__(self, *exc):
-        return False
+    dtype = getattr(torch, options.get("dtype", "float32"))
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_llama_config()).to(dtype)
+    model = kernelize_tiled(copy.deepcopy(reference), variant_root)
+    for frozen in options.get("freeze", []):
+        for name, p in list(model.named_parameters()) + list(reference.named_parameters()):
+            if frozen in name:
+                p.requires_grad_(False)
+    ddp = DDP(
+        model,
+        find_unused_parameters=options.get("find_unused_parameters", False),
+        static_graph=options.get("static_graph", False),
+    )
+    lr, seq, micro_batches = 0.5, options.get("seq", 256), options.get("micro_batches", 1)
+    opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=lr)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=lr)
+    log = []
+    for step in range(options.get("steps", 2)):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for micro in range(micro_batches):
+            ids = batch(rank, step, micro, seq)
+            sync = ddp.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext()
+            with sync:
+                loss = ddp(input_ids=ids, labels=ids).loss
+                loss.backward()
+            loss_sum += loss.detach().double()
+            for r in range(world):  # the reference sees the global batch: the mean over ranks
+                ids_r = batch(r, step, micro, seq)
+                (reference(input_ids=ids_r, labels=ids_r).loss / world).backward()
+        dist.all_reduce(loss_sum)
+        grad_diff = max(
+            (p.grad - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), reference.parameters())
+            if p.requires_grad
+        )
+        assert all(q.grad is None for q in model.parameters() if not q.requires_grad)
+        opt.step()
+        ref_opt.step()
+        weight_diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        log.append({
+            "step": step, "loss": loss_sum.item() / (world * micro_batches), "grad_diff": grad_diff,
+            "weight_diff": weight_diff, "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
+        })  # fmt: skip
+    return log
 
 
 def launch(target, world, variant_root, options, out_dir, timeout_s=240):

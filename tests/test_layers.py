@@ -148,38 +148,55 @@ def test_layer_backward_allocates_no_gate_or_up_buffers(lk, layer, make_host, mo
         assert torch.equal(keeper.kept[0].detach(), kept)
 
 
-def test_kernelize_with_local_layer_repository(lk, variant_root):
-    """kernels itself loads, validates and swaps in both layers, for training and inference."""
+class TaggedLinear(torch.nn.Linear):
+    """A Linear tagged "Linear" for kernelize (transformers tags none of its own)."""
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.swiglu = llama_mlp()
-            self.geglu = gemma_mlp()
 
-        def forward(self, x):
-            return self.geglu(self.swiglu(x))
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.swiglu = llama_mlp()
+        self.geglu = gemma_mlp()
+        self.head = TaggedLinear(HIDDEN, 11)
 
-    torch.manual_seed(0)
-    model = Block()
-    reference = copy.deepcopy(model)
-    x = torch.randn(2, 11, HIDDEN)
-    mapping = {
-        name: {"cpu": {mode: LocalLayerRepository(variant_root, layer_name=layer) for mode in (Mode.TRAINING, Mode.INFERENCE)}}
-        for name, layer in (("SwiGLUMLP", "LigerSwiGLUMLP"), ("GeGLUMLP", "LigerGEGLUMLP"))
-    }
+    def forward(self, x):
+        return self.head(self.geglu(self.swiglu(x)))
+
+
+def kernelize_block(model, variant_root, mode, layers):
+    """Tag the hosts as transformers' default mapping names them, map `layers` for `mode`, kernelize."""
+    tags = ((LlamaMLP, "SwiGLUMLP"), (GemmaMLP, "GeGLUMLP"), (TaggedLinear, "Linear"))
+    mapping = {name: {"cpu": {mode: LocalLayerRepository(variant_root, layer_name=layer)}} for name, layer in layers.items()}
+    for cls, name in tags:
+        replace_kernel_forward_from_hub(cls, name)
     try:
-        replace_kernel_forward_from_hub(LlamaMLP, "SwiGLUMLP")
-        replace_kernel_forward_from_hub(GemmaMLP, "GeGLUMLP")
         with use_kernel_mapping(mapping, inherit_mapping=False):
-            kernelize(model, mode=Mode.TRAINING, device="cpu")
+            kernelize(model, mode=mode, device="cpu")
     finally:
-        for cls in (LlamaMLP, GemmaMLP):
+        for cls, _ in tags:
             del cls.kernel_layer_name, cls.kernel_condition
+    return model
+
+
+def assert_block_matches(model, reference):
+    x = torch.randn(2, 3 * HIDDEN, HIDDEN, dtype=torch.float64)
+    d_out = torch.randn(2, 3 * HIDDEN, 11, dtype=torch.float64)
+    (out, grads), (ref, ref_grads) = run(model, x, d_out), run(reference, x, d_out)
+    for got, want in zip([out, *grads], [ref, *ref_grads]):
+        assert (got - want).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("mode", ["INFERENCE", "TRAINING"])
+def test_kernelize_with_local_layer_repository(lk, variant_root, mode):
+    """kernels itself loads, validates and swaps in the fused layers (mapped here for either mode)."""
+    torch.manual_seed(0)
+    model = Block().double()
+    reference = copy.deepcopy(model)
+    kernelize_block(model, variant_root, getattr(Mode, mode), {"SwiGLUMLP": "LigerSwiGLUMLP", "GeGLUMLP": "LigerGEGLUMLP"})
     assert model.swiglu.forward.__func__.__qualname__ == "LigerSwiGLUMLP.forward"
     assert model.geglu.forward.__func__.__qualname__ == "LigerGEGLUMLP.forward"
     assert model.swiglu.forward.__func__.__module__.startswith(lk.__name__)
-    assert rel_err(model(x), reference(x)) < 1e-5
+    assert_block_matches(model, reference)
 
 
 TILED_HOSTS = {  # host, tiled layer
@@ -221,38 +238,11 @@ def test_liger_linear_takes_1d_input(lk):
 
 def test_kernelize_training_maps_the_tiled_layers(lk, variant_root):
     """TRAINING: SwiGLUMLP -> LigerTiledSwiGLUMLP, GeGLUMLP -> LigerTiledGEGLUMLP, Linear -> LigerLinear."""
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.swiglu = llama_mlp()
-            self.geglu = gemma_mlp()
-            self.head = torch.nn.Linear(HIDDEN, 11)
-
-        def forward(self, x):
-            return self.head(self.geglu(self.swiglu(x)))
-
-    class TaggedLinear(torch.nn.Linear):
-        pass
-
     torch.manual_seed(0)
     model = Block().double()
-    model.head.__class__ = TaggedLinear
     reference = copy.deepcopy(model)
-    layers = (("SwiGLUMLP", "LigerTiledSwiGLUMLP"), ("GeGLUMLP", "LigerTiledGEGLUMLP"), ("Linear", "LigerLinear"))
-    mapping = {name: {"cpu": {Mode.TRAINING: LocalLayerRepository(variant_root, layer_name=layer)}} for name, layer in layers}
-    replace_kernel_forward_from_hub(LlamaMLP, "SwiGLUMLP")
-    replace_kernel_forward_from_hub(GemmaMLP, "GeGLUMLP")
-    replace_kernel_forward_from_hub(TaggedLinear, "Linear")
-    try:
-        with use_kernel_mapping(mapping, inherit_mapping=False):
-            kernelize(model, mode=Mode.TRAINING, device="cpu")
-    finally:
-        for cls in (LlamaMLP, GemmaMLP, TaggedLinear):
-            del cls.kernel_layer_name, cls.kernel_condition
+    layers = {"SwiGLUMLP": "LigerTiledSwiGLUMLP", "GeGLUMLP": "LigerTiledGEGLUMLP", "Linear": "LigerLinear"}
+    kernelize_block(model, variant_root, Mode.TRAINING, layers)
     for module, layer in ((model.swiglu, "LigerTiledSwiGLUMLP"), (model.geglu, "LigerTiledGEGLUMLP"), (model.head, "LigerLinear")):
         assert module.forward.__func__.__qualname__ == f"{layer}.forward"
-    x = torch.randn(2, 3 * HIDDEN, HIDDEN, dtype=torch.float64)
-    (out, grads), (ref, ref_grads) = run(model, x, torch.ones(2, 3 * HIDDEN, 11, dtype=torch.float64)), run(reference, x, torch.ones(2, 3 * HIDDEN, 11, dtype=torch.float64))
-    for got, want in zip([out, *grads], [ref, *ref_grads]):
-        assert (got - want).abs().max().item() < 1e-12
+    assert_block_matches(model, reference)
