@@ -52,14 +52,16 @@ def free_port() -> int:
 
 
 def kernelize_tiled(model, variant_root: Path):
-    """Swap every LlamaMLP's forward for LigerTiledSwiGLUMLP through kernels' own mapping and kernelize."""
-    from kernels import LocalLayerRepository, Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
+    """Tag LlamaMLP as "SwiGLUMLP" (transformers does not) and kernelize with the package's own mapping,
+    loaded through kernels: in training mode every LlamaMLP runs LigerTiledSwiGLUMLP."""
+    import kernels
+    from kernels import Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
     from transformers.models.llama.modeling_llama import LlamaMLP
 
+    lk = kernels.get_local_kernel(variant_root)
     replace_kernel_forward_from_hub(LlamaMLP, "SwiGLUMLP")
-    repo = LocalLayerRepository(variant_root, layer_name="LigerTiledSwiGLUMLP")
-    with use_kernel_mapping({"SwiGLUMLP": {"cpu": {Mode.TRAINING: repo}}}, inherit_mapping=False):
-        kernelize(model, mode=Mode.TRAINING, device="cpu")
+    with use_kernel_mapping(lk.kernel_mapping(variant_root), inherit_mapping=False):
+        kernelize(model.train(), mode=Mode.TRAINING, device="cpu")
     tiled = [m for m in model.modules() if isinstance(m, LlamaMLP)]
     assert tiled and all(m.forward.__func__.__qualname__ == "LigerTiledSwiGLUMLP.forward" for m in tiled)
     return model

@@ -4,8 +4,9 @@ Loaded as ``kernels.get_kernel("kernels-community/liger-kernels", version=3)``; 
 package under its own name, so everything here is imported relatively.
 """
 
-from . import geglu, layers, swiglu, tiled_mlp
+from . import geglu, layers, mapping, swiglu, tiled_mlp
 from .geglu import LigerGELUMulFunction, gelu_mul
+from .mapping import kernel_mapping, register_kernel_mapping
 from .layers import LigerGEGLUMLP, LigerLinear, LigerSwiGLUMLP, LigerTiledGEGLUMLP, LigerTiledSwiGLUMLP
 from .swiglu import LigerSiLUMulFunction, silu_mul
 from .tiled_mlp import LigerTiledMLPFunction, apply_tiled_mlp
@@ -21,6 +22,9 @@ __all__ = [
     "LigerTiledSwiGLUMLP",
     "apply_tiled_mlp",
     "gelu_mul",
+    "kernel_mapping",
+    "mapping",
+    "register_kernel_mapping",
     "geglu",
     "layers",
     "silu_mul",

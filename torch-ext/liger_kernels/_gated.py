@@ -205,10 +205,11 @@ def gated_forward(gate, up, activation, gate_multiplier=1.0, down_multiplier=1.0
 def gated_backward(
     d_out, gate, up, activation, gate_multiplier=1.0, down_multiplier=1.0, in_place=False
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gradients for ``gate`` and ``up``. With ``in_place`` the Triton path writes them into the ``gate`` and
-    ``up`` buffers (saving two activation-sized allocations); only for buffers nothing else reads."""
+    """Gradients for ``gate`` and ``up``. With ``in_place`` they are written into (and returned as) the
+    ``gate`` and ``up`` buffers, which on the Triton path saves two activation-sized allocations; only for
+    buffers nothing else reads."""
     if gate.numel() == 0:
-        return torch.zeros_like(gate), torch.zeros_like(up)
+        return (gate, up) if in_place else (torch.zeros_like(gate), torch.zeros_like(up))
     if d_out.shape != gate.shape:  # a broadcast or expanded gradient
         d_out = d_out.expand(gate.shape)
     if use_triton(gate):
@@ -216,12 +217,20 @@ def gated_backward(
         if d_out.stride(-1) != 1:
             d_out = d_out.contiguous()
         d_gate, d_up = _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multiplier, in_place)
-        if in_place:
-            # Anything that still held gate/up for autograd now raises instead of reading gradients.
-            torch.autograd.graph.increment_version(gate)
-            torch.autograd.graph.increment_version(up)
+    else:
+        d_gate, d_up = _backward_torch(d_out, gate, up, activation, gate_multiplier, down_multiplier)
+    if not in_place:
         return d_gate, d_up
-    return _backward_torch(d_out, gate, up, activation, gate_multiplier, down_multiplier)
+    for buffer, grad in ((gate, d_gate), (up, d_up)):
+        if grad.data_ptr() != buffer.data_ptr():
+            buffer.copy_(grad)
+        # Anything that still held gate/up for autograd now raises instead of reading gradients.
+        torch.autograd.graph.increment_version(buffer)
+    return gate, up
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The autograd Functions' shared contract (LigerSiLUMulFunction, LigerGELUMulFunction).
 
 
 def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place) -> None:
@@ -238,3 +247,77 @@ def backward_from_ctx(ctx, d_out) -> Tuple[Optional[torch.Tensor], Optional[torc
         d_out, gate, up, ctx.activation, ctx.gate_multiplier, ctx.down_multiplier, ctx.in_place
     )
     return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch.library ops, for the functional forms and the layers: torch.compile traces them as single opaque
+# ops (no graph break, scalars stay Python floats), with autograd and fake (shape) implementations. Their
+# namespace is the package's module name, which the Hub loader makes unique per build, so two loaded
+# versions never collide.
+
+NAMESPACE = __name__.split(".")[0]
+ACTIVATIONS = {}
+
+
+def register_activation(activation: GatedActivation) -> GatedActivation:
+    ACTIVATIONS[activation.name] = activation
+    return activation
+
+
+@torch.library.custom_op(f"{NAMESPACE}::gated_forward", mutates_args=())
+def gated_forward_op(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float, down_multiplier: float,
+    in_place_backward: bool,
+) -> torch.Tensor:  # fmt: skip
+    return gated_forward(gate, up, ACTIVATIONS[activation], gate_multiplier, down_multiplier)
+
+
+@gated_forward_op.register_fake
+def _(gate, up, activation, gate_multiplier, down_multiplier, in_place_backward):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::gated_backward", mutates_args=())
+def gated_backward_op(
+    d_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float,
+    down_multiplier: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return gated_backward(d_out, gate, up, ACTIVATIONS[activation], gate_multiplier, down_multiplier)
+
+
+@gated_backward_op.register_fake
+def _(d_out, gate, up, activation, gate_multiplier, down_multiplier):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::gated_backward_in_place", mutates_args=("gate", "up"))
+def gated_backward_in_place_op(
+    d_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float,
+    down_multiplier: float,
+) -> None:  # fmt: skip
+    gated_backward(d_out, gate, up, ACTIVATIONS[activation], gate_multiplier, down_multiplier, in_place=True)
+
+
+@gated_backward_in_place_op.register_fake
+def _(d_out, gate, up, activation, gate_multiplier, down_multiplier):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    gate, up, activation, gate_multiplier, down_multiplier, in_place_backward = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.args = (activation, gate_multiplier, down_multiplier)
+    ctx.in_place = in_place_backward
+
+
+def _backward(ctx, d_out):
+    gate, up = ctx.saved_tensors
+    if ctx.in_place and not torch.compiler.is_compiling():
+        gated_backward_in_place_op(d_out, gate, up, *ctx.args)
+        d_gate, d_up = gate, up
+    else:  # compiled graphs get the pure op: the compiler plans the buffers itself
+        d_gate, d_up = gated_backward_op(d_out, gate, up, *ctx.args)
+    return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None), None, None, None, None
+
+
+torch.library.register_autograd(gated_forward_op, _backward, setup_context=_setup_context)

@@ -78,8 +78,12 @@ def _gelu_erf_and_grad_torch(z):
     return z * cdf, cdf + z * INV_SQRT_2PI * torch.exp(-0.5 * z * z)
 
 
-GELU_TANH = _gated.GatedActivation("gelu_tanh", _gelu_tanh, _gelu_tanh_and_grad, _gelu_tanh_torch, _gelu_tanh_and_grad_torch)
-GELU_ERF = _gated.GatedActivation("gelu", _gelu_erf, _gelu_erf_and_grad, _gelu_erf_torch, _gelu_erf_and_grad_torch)
+GELU_TANH = _gated.register_activation(
+    _gated.GatedActivation("gelu_tanh", _gelu_tanh, _gelu_tanh_and_grad, _gelu_tanh_torch, _gelu_tanh_and_grad_torch)
+)
+GELU_ERF = _gated.register_activation(
+    _gated.GatedActivation("gelu", _gelu_erf, _gelu_erf_and_grad, _gelu_erf_torch, _gelu_erf_and_grad_torch)
+)
 ACTIVATIONS = {"tanh": GELU_TANH, "none": GELU_ERF}
 
 
@@ -87,6 +91,12 @@ def check_approximate(approximate, op: str = OP) -> str:
     if not isinstance(approximate, str) or approximate not in APPROXIMATIONS:
         raise ValueError(f"{op}: `approximate` must be one of {APPROXIMATIONS}, got {approximate!r}")
     return approximate
+
+
+def _checked(a, b, approximate, in_place_backward):
+    _gated.check_pair(a, b, OP)
+    activation = ACTIVATIONS[check_approximate(approximate)]
+    return activation, _gated.check_flag(in_place_backward, "in_place_backward", OP)
 
 
 class LigerGELUMulFunction(torch.autograd.Function):
@@ -98,9 +108,7 @@ class LigerGELUMulFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(a, b, approximate="tanh", in_place_backward=False):
-        _gated.check_pair(a, b, OP)
-        activation = ACTIVATIONS[check_approximate(approximate)]
-        _gated.check_flag(in_place_backward, "in_place_backward", OP)
+        activation, _ = _checked(a, b, approximate, in_place_backward)
         return _gated.gated_forward(a, b, activation)
 
     @staticmethod
@@ -116,5 +124,7 @@ class LigerGELUMulFunction(torch.autograd.Function):
 
 
 def gelu_mul(a, b, approximate="tanh", in_place_backward=False):
-    """Functional form of :class:`LigerGELUMulFunction`."""
-    return LigerGELUMulFunction.apply(a, b, approximate, in_place_backward)
+    """:class:`LigerGELUMulFunction` as a torch.library op: the same math and checks, and torch.compile
+    traces it without a graph break."""
+    activation, in_place = _checked(a, b, approximate, in_place_backward)
+    return _gated.gated_forward_op(a, b, activation.name, 1.0, 1.0, in_place)

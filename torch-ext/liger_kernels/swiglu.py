@@ -35,7 +35,16 @@ def _silu_and_grad_torch(z):
     return z * s, s * (1.0 + z * (1.0 - s))
 
 
-SILU = _gated.GatedActivation("silu", _silu, _silu_and_grad, _silu_torch, _silu_and_grad_torch)
+SILU = _gated.register_activation(
+    _gated.GatedActivation("silu", _silu, _silu_and_grad, _silu_torch, _silu_and_grad_torch)
+)
+
+
+def _checked(a, b, gate_multiplier, down_multiplier, in_place_backward):
+    _gated.check_pair(a, b, OP)
+    gate_multiplier = _gated.check_multiplier(gate_multiplier, "gate_multiplier", OP)
+    down_multiplier = _gated.check_multiplier(down_multiplier, "down_multiplier", OP)
+    return gate_multiplier, down_multiplier, _gated.check_flag(in_place_backward, "in_place_backward", OP)
 
 
 class LigerSiLUMulFunction(torch.autograd.Function):
@@ -48,10 +57,7 @@ class LigerSiLUMulFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(a, b, gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):
-        _gated.check_pair(a, b, OP)
-        gate_multiplier = _gated.check_multiplier(gate_multiplier, "gate_multiplier", OP)
-        down_multiplier = _gated.check_multiplier(down_multiplier, "down_multiplier", OP)
-        _gated.check_flag(in_place_backward, "in_place_backward", OP)
+        gate_multiplier, down_multiplier, _ = _checked(a, b, gate_multiplier, down_multiplier, in_place_backward)
         return _gated.gated_forward(a, b, SILU, gate_multiplier, down_multiplier)
 
     @staticmethod
@@ -67,5 +73,7 @@ class LigerSiLUMulFunction(torch.autograd.Function):
 
 
 def silu_mul(a, b, gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):
-    """Functional form of :class:`LigerSiLUMulFunction`."""
-    return LigerSiLUMulFunction.apply(a, b, gate_multiplier, down_multiplier, in_place_backward)
+    """:class:`LigerSiLUMulFunction` as a torch.library op: the same math and checks, and torch.compile
+    traces it without a graph break."""
+    gate_multiplier, down_multiplier, in_place = _checked(a, b, gate_multiplier, down_multiplier, in_place_backward)
+    return _gated.gated_forward_op(a, b, SILU.name, gate_multiplier, down_multiplier, in_place)

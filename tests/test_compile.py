@@ -1,0 +1,71 @@
+"""torch.compile of kernelized models: the fused layers trace as one graph (the activation a single op with
+float scalars), the tiled ones may break the graph but keep their gradients; compiled equals eager."""
+
+import copy
+import types
+
+import pytest
+import torch
+from kernels import Mode, kernelize, use_kernel_mapping
+
+from test_kernelize import MODELS, loss_and_grads, mlp_layers, tagged  # noqa: F401  (tagged is a fixture)
+from test_layers import gemma_mlp, llama_mlp
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layer, make_host", [("LigerSwiGLUMLP", llama_mlp), ("LigerGEGLUMLP", gemma_mlp)])
+def test_untiled_layer_compiles_without_graph_break(lk, layer, make_host):
+    host = make_host()
+    host.forward = types.MethodType(getattr(lk, layer).forward, host)
+    x = torch.randn(2, 33, host.hidden_size, requires_grad=True)
+    explained = torch._dynamo.explain(host)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    ops = [str(node.target) for graph in explained.graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert any(f"{lk.__name__}.gated_forward" in op for op in ops), ops
+    float_args = [node.args[3:5] for graph in explained.graphs for node in graph.graph.nodes if "gated_forward" in str(node.target)]
+    assert all(isinstance(v, float) for args in float_args for v in args)
+
+
+def compiled_vs_eager(lk, variant_root, name, mode, device="cpu"):
+    make, mlp_cls, kind = MODELS[name]
+    torch.manual_seed(0)
+    eager = make().to(device)
+    ids = torch.randint(0, 97, (2, 3 * 64 + 5), device=device)
+    with use_kernel_mapping(lk.kernel_mapping(variant_root), inherit_mapping=False):
+        kernelize(eager.train(), mode=mode, device=device if device != "cuda" else "cuda")
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model)
+    want = loss_and_grads(eager, ids)
+    compiled_model.zero_grad(set_to_none=True)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    got = (loss.detach(), [p.grad for p in compiled_model.parameters()])
+    return eager, mlp_cls, kind, want, got
+
+
+@pytest.mark.parametrize("mode", ["INFERENCE", "TRAINING"])
+def test_compiled_kernelized_llama_equals_eager(lk, variant_root, tagged, mode):  # noqa: F811
+    mode_flag = getattr(Mode, mode) | Mode.TORCH_COMPILE
+    eager, mlp_cls, kind, want, got = compiled_vs_eager(lk, variant_root, "llama", mode_flag)
+    assert mlp_layers(eager, mlp_cls) == {f"Liger{'Tiled' if mode == 'TRAINING' else ''}{kind}MLP"}
+    assert abs(got[0].item() - want[0].item()) < 1e-5
+    for g, w in zip(got[1], want[1]):
+        assert ((g - w).norm() / w.norm()).item() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["INFERENCE", "TRAINING"])
+def test_cuda_compiled_kernelized_llama_equals_eager(lk, variant_root, tagged, mode):  # noqa: F811
+    with_triton = lk._backend.use_triton(torch.empty(1, device="cuda"))
+    assert with_triton
+    mode_flag = getattr(Mode, mode) | Mode.TORCH_COMPILE
+    _, _, _, want, got = compiled_vs_eager(lk, variant_root, "llama", mode_flag, device="cuda")
+    assert abs(got[0].item() - want[0].item()) < 1e-4
+    for g, w in zip(got[1], want[1]):
+        assert ((g - w).norm() / w.norm()).item() < 1e-4

@@ -1,0 +1,78 @@
+"""kernelize with transformers: tiny Llama and Gemma models, the shipped mapping, train/eval switching."""
+
+import copy
+
+import pytest
+import torch
+from kernels import Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
+from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.models.gemma.modeling_gemma import GemmaMLP
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+SIZES = dict(vocab_size=97, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)  # fmt: skip
+MODELS = {
+    "llama": (lambda: LlamaForCausalLM(LlamaConfig(**SIZES)), LlamaMLP, "SwiGLU"),
+    "gemma": (lambda: GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=16, hidden_act="gelu_pytorch_tanh")), GemmaMLP, "GEGLU"),
+}
+
+
+@pytest.fixture
+def tagged():
+    """Users tag the MLP classes themselves: no transformers model tags its MLP as SwiGLUMLP/GeGLUMLP."""
+    replace_kernel_forward_from_hub(LlamaMLP, "SwiGLUMLP")
+    replace_kernel_forward_from_hub(GemmaMLP, "GeGLUMLP")
+    yield
+    for cls in (LlamaMLP, GemmaMLP):
+        del cls.kernel_layer_name, cls.kernel_condition
+
+
+def mlp_layers(model, mlp_cls):
+    return {m.forward.__func__.__qualname__.split(".")[0] for m in model.modules() if isinstance(m, mlp_cls)}
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_kernelized_model_matches_and_switches_modes(lk, variant_root, tagged, name):
+    make, mlp_cls, kind = MODELS[name]
+    torch.manual_seed(0)
+    model = make().double()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 3 * 64 + 5))
+    with use_kernel_mapping(lk.kernel_mapping(variant_root), inherit_mapping=False):
+        kernelize(model.train(), mode=Mode.TRAINING, device="cpu")
+        assert mlp_layers(model, mlp_cls) == {f"LigerTiled{kind}MLP"}
+        (loss, grads), (ref_loss, ref_grads) = loss_and_grads(model, ids), loss_and_grads(reference, ids)
+        assert abs(loss.item() - ref_loss.item()) < 1e-12
+        assert max((g - r).abs().max().item() for g, r in zip(grads, ref_grads)) < 1e-12
+
+        kernelize(model.eval(), mode=Mode.INFERENCE, device="cpu")
+        assert mlp_layers(model, mlp_cls) == {f"Liger{kind}MLP"}
+        with torch.no_grad():
+            assert (model(input_ids=ids).logits - reference.eval()(input_ids=ids).logits).abs().max().item() < 1e-12
+
+        kernelize(model.train(), mode=Mode.TRAINING, device="cpu")
+        assert mlp_layers(model, mlp_cls) == {f"LigerTiled{kind}MLP"}
+
+
+def test_mapping_covers_every_mode_and_device(lk):
+    mapping = lk.kernel_mapping("/nowhere")
+    assert set(mapping) == {"SwiGLUMLP", "GeGLUMLP", "Linear"}
+    for name, devices in mapping.items():
+        assert set(devices) == {"cuda", "rocm", "xpu", "mps", "cpu"}
+        modes = devices["cuda"]
+        expected = {Mode.TRAINING, Mode.TRAINING | Mode.TORCH_COMPILE}
+        if name != "Linear":
+            expected |= {Mode.INFERENCE, Mode.INFERENCE | Mode.TORCH_COMPILE}
+        assert set(modes) == expected
+        assert modes[Mode.TRAINING].layer_name.startswith("Liger")
+    assert mapping["SwiGLUMLP"]["cpu"][Mode.INFERENCE].layer_name == "LigerSwiGLUMLP"
+    assert mapping["GeGLUMLP"]["cpu"][Mode.TRAINING | Mode.TORCH_COMPILE].layer_name == "LigerTiledGEGLUMLP"
+    hub = lk.kernel_mapping()["Linear"]["cuda"][Mode.TRAINING]
+    assert (hub._repo_id, hub._version, hub.layer_name) == ("kernels-community/liger-kernels", 3, "LigerLinear")
