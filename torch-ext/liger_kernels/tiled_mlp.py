@@ -230,7 +230,10 @@ class LigerTiledMLPFunction(torch.autograd.Function):
                 if want_x:
                     d_x_shard, grads = grads[0], grads[1:]
                     target = d_x.narrow(-2, start, length)
-                    target.copy_(d_x_shard) if d_x_shard is not None else target.zero_()
+                    if d_x_shard is None:  # fn ignored its input
+                        target.zero_()
+                    else:
+                        target.copy_(d_x_shard)
                 sums = [_accumulate(total, g) for total, g in zip(sums, grads)]
         param_grads = [None if total is None else total.to(p.dtype) for total, p in zip(sums, ctx.params)]
         return (None, None, d_x, None, None, None, *param_grads)
@@ -257,6 +260,7 @@ def _accumulate(total, grad):
         return total
     if total is None:
         wide = torch.promote_types(grad.dtype, torch.float32)
+        # A tensor of our own to add into: autograd may hand back a gradient that aliases another one.
         return grad.to(wide) if grad.dtype != wide else grad.clone()
     return total.add_(grad)
 
