@@ -89,10 +89,10 @@ def _gated_forward_kernel(
 
 @jit
 def _gated_backward_kernel(
-    d_out_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr,
+    d_out_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, out_ptr,
     n_cols, d_out_row_stride, gate_row_stride, up_row_stride, d_gate_row_stride, d_up_row_stride,
     gate_multiplier, down_multiplier,
-    ACTIVATION_AND_GRAD: constexpr, BLOCK: constexpr,
+    ACTIVATION_AND_GRAD: constexpr, STORE_OUT: constexpr, BLOCK: constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     n_col_blocks = tl.cdiv(n_cols, BLOCK)
@@ -111,6 +111,9 @@ def _gated_backward_kernel(
     # d_gate/d_up may alias gate/up (in-place backward): each element is read and written by this program only.
     tl.store(d_gate_ptr + row * d_gate_row_stride + cols, d_gate.to(d_gate_ptr.dtype.element_ty), mask=mask)
     tl.store(d_up_ptr + row * d_up_row_stride + cols, d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
+    if STORE_OUT:  # the forward output too (contiguous), for a caller that needs it to form a weight gradient
+        out = act * up * down_multiplier
+        tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_rows(tensors):
@@ -146,22 +149,24 @@ def _forward_triton(gate, up, activation: GatedActivation, gate_multiplier, down
     return out
 
 
-def _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multiplier, in_place):
+def _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multiplier, in_place, out=None):
     if in_place:
         d_gate, d_up = gate, up
     else:
         d_gate = new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
         d_up = new_tensor(up.shape, dtype=up.dtype, device=up.device)
     d_out_rows, gate_rows, up_rows, d_gate_rows, d_up_rows = _as_rows([d_out, gate, up, d_gate, d_up])
+    out_rows = d_out_rows if out is None else out.view(d_out_rows.shape)  # out: contiguous, like d_out here
     if in_place and (d_gate_rows.data_ptr() != gate.data_ptr() or d_up_rows.data_ptr() != up.data_ptr()):
         # _as_rows had to copy: write into the copies, which are the gradients.
         d_gate, d_up = d_gate_rows.view(gate.shape), d_up_rows.view(up.shape)
     _gated_backward_kernel[_grid(d_out_rows)](
-        d_out_rows, gate_rows, up_rows, d_gate_rows, d_up_rows,
+        d_out_rows, gate_rows, up_rows, d_gate_rows, d_up_rows, out_rows,
         d_out_rows.shape[1], d_out_rows.stride(0), gate_rows.stride(0), up_rows.stride(0),
         d_gate_rows.stride(0), d_up_rows.stride(0),
         gate_multiplier, down_multiplier,
-        ACTIVATION_AND_GRAD=activation.triton_value_and_grad, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        ACTIVATION_AND_GRAD=activation.triton_value_and_grad, STORE_OUT=out is not None, BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return d_gate, d_up
 
@@ -227,6 +232,25 @@ def gated_backward(
         # Anything that still held gate/up for autograd now raises instead of reading gradients.
         torch.autograd.graph.increment_version(buffer)
     return gate, up
+
+
+def gated_recompute_backward(d_out, gate, up, activation) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, d_gate, d_up) in one pass for contiguous, same-shaped inputs: the forward output recomputed and
+    both gradients, the gradients written over ``gate`` and ``up`` (which the caller owns). For the tiled
+    gated MLP, which needs the output for the down projection's weight gradient."""
+    if gate.numel() == 0:
+        return torch.empty_like(gate), gate, up
+    if use_triton(gate):
+        out = new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
+        _backward_triton(d_out.contiguous(), gate, up, activation, 1.0, 1.0, True, out=out)
+        return out, gate, up
+    compute = _compute_dtype(gate.dtype)
+    act, d_act = activation.torch_value_and_grad(gate.to(compute))
+    d_out, up_c = d_out.to(compute), up.to(compute)
+    out = (act * up_c).to(gate.dtype)
+    gate.copy_(d_out * up_c * d_act)
+    up.copy_(d_out * act)
+    return out, gate, up
 
 
 # ----------------------------------------------------------------------------------------------------------

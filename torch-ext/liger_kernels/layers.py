@@ -12,7 +12,7 @@ from torch import nn
 
 from . import geglu as _geglu
 from . import swiglu as _swiglu
-from .tiled_mlp import apply_tiled_mlp
+from .tiled_mlp import apply_tiled_mlp, is_plain_linear
 
 # How a host's activation is recognized: its ``act_fn`` (module or function) first, since that is what the
 # host computes, else its config's ``hidden_act`` / ``hidden_activation``.
@@ -88,19 +88,10 @@ def _describe(found: str) -> str:
     return {_SILU: "SiLU", _GELU_TANH: "tanh-approximated GELU", _GELU_EXACT: "exact GELU"}.get(found, found)
 
 
-def _output_is_private(proj: nn.Module) -> bool:
-    """True when ``proj(x)`` returns a fresh tensor nobody else keeps: a plain ``nn.Linear`` call without
-    hooks. Only then may backward write gradients over it."""
-    return (
-        isinstance(proj, nn.Linear)
-        and type(proj).forward is nn.Linear.forward
-        and not proj._forward_hooks
-        and not nn.modules.module._global_forward_hooks
-    )
-
-
 def _in_place_ok(module: nn.Module) -> bool:
-    return _output_is_private(module.gate_proj) and _output_is_private(module.up_proj)
+    """True when gate_proj(x) and up_proj(x) return fresh tensors nobody else keeps (plain nn.Linear calls
+    without hooks): only then may backward write gradients over them."""
+    return is_plain_linear(module.gate_proj) and is_plain_linear(module.up_proj)
 
 
 def swiglu_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -135,6 +126,12 @@ class LigerGEGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return geglu_mlp(self, x)
+
+
+# The tiled layers' fns say which gated activation they compute, so the tiled backward can recompute only
+# gate and up (see tiled_mlp._gated_mlp_backward).
+swiglu_mlp.gated_activation = lambda module: _swiglu.SILU
+geglu_mlp.gated_activation = lambda module: _geglu.ACTIVATIONS[_gelu_form(module, "LigerGEGLUMLP")]
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
