@@ -285,3 +285,24 @@ def test_tiled_layer_bf16_weight_gradients_within_untiled_error(lk):
     for w, e, t in zip(want[1:], got_e[1:], got_t[1:]):
         assert t.dtype == torch.bfloat16
         assert rel_err(t, w) <= 1.5 * rel_err(e, w)
+
+
+@pytest.mark.parametrize("host_name", ["llama_silu_bias", "gemma_gelu_tanh", "gelu_exact"])
+def test_tiled_gated_backward_through_triton_kernels(lk, host_name):
+    """The gated backward's fused pass (gradients over the strided gate|up halves, hidden over d_hidden) on
+    the Triton kernels, fp32, against the float64 host: no worse than the eager fp32 host (1.5x)."""
+    if not INTERPRETED:
+        pytest.skip("runs the Triton path on CPU tensors through the interpreter; test_gpu.py covers CUDA")
+    make_host, _ = HOSTS[host_name]
+    layer = TILED_HOSTS[host_name][1]
+    torch.manual_seed(0)
+    host64 = make_host().double()
+    eager = copy.deepcopy(host64).float()
+    tiled = bind(getattr(lk, layer), copy.deepcopy(host64).float())
+    x = torch.randn(2, 3 * HIDDEN + 5, HIDDEN, dtype=torch.float64)
+    d_out = torch.randn_like(x)
+    with backend("triton"):
+        got = run(tiled, x.float(), d_out.float())
+    want, got_eager = run(host64, x, d_out), run(eager, x.float(), d_out.float())
+    for w, e, t in zip([want[0], *want[1]], [got_eager[0], *got_eager[1]], [got[0], *got[1]]):
+        assert rel_err(t, w) <= 1.5 * rel_err(e, w) + 4 * compute_eps(torch.float32)

@@ -234,23 +234,22 @@ def gated_backward(
     return gate, up
 
 
-def gated_recompute_backward(d_out, gate, up, activation) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, d_gate, d_up) in one pass for contiguous, same-shaped inputs: the forward output recomputed and
-    both gradients, the gradients written over ``gate`` and ``up`` (which the caller owns). For the tiled
-    gated MLP, which needs the output for the down projection's weight gradient."""
+def gated_recompute_backward(d_out, gate, up, activation) -> torch.Tensor:
+    """One pass over contiguous-last-dim inputs of the same shape, for the tiled gated MLP: the gradients are
+    written over ``gate`` and ``up`` and the forward output (needed for the down projection's weight
+    gradient) over ``d_out``, which is returned. The caller owns all three buffers."""
     if gate.numel() == 0:
-        return torch.empty_like(gate), gate, up
-    if use_triton(gate):
-        out = new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
-        _backward_triton(d_out.contiguous(), gate, up, activation, 1.0, 1.0, True, out=out)
-        return out, gate, up
+        return d_out
+    if use_triton(gate) and d_out.is_contiguous():
+        _backward_triton(d_out, gate, up, activation, 1.0, 1.0, True, out=d_out)
+        return d_out
     compute = _compute_dtype(gate.dtype)
     act, d_act = activation.torch_value_and_grad(gate.to(compute))
-    d_out, up_c = d_out.to(compute), up.to(compute)
-    out = (act * up_c).to(gate.dtype)
-    gate.copy_(d_out * up_c * d_act)
-    up.copy_(d_out * act)
-    return out, gate, up
+    d_out_c, up_c = d_out.to(compute), up.to(compute)
+    d_gate, d_up, out = d_out_c * up_c * d_act, d_out_c * act, act * up_c
+    gate.copy_(d_gate)
+    up.copy_(d_up)
+    return d_out.copy_(out)
 
 
 # ----------------------------------------------------------------------------------------------------------
