@@ -300,56 +300,38 @@ def _gated_plan(fn, mlp_module, x, params, zero3_params):
 
 
 def _gated_mlp_backward(ctx, x, d_out, want_x):
-    """Per shard, with gate and up as one GEMM against [W_gate; W_up] (and their gradients as one GEMM each
-    for d_x and the weights): gate_up = x W_gu^T; d_hidden = d_out W_down; one fused pass writes d_gate|d_up
-    over gate_up and hidden over d_hidden; then dW_down += d_out^T hidden, dW_gu += d_gate_up^T x,
-    d_x = d_gate_up W_gu. Weight gradients are summed in fp32."""
+    """Per shard: gate = x W_g^T, up = x W_u^T; d_hidden = d_out W_down; one fused pass writes d_gate, d_up
+    over gate, up and hidden over d_hidden; then dW_down += d_out^T hidden, dW_g += d_gate^T x,
+    dW_u += d_up^T x, d_x = d_gate W_g + d_up W_u. Weight gradients are summed in fp32. (Gate and up as one
+    GEMM against a concatenated weight measured 1% faster and 0.08 GiB heavier at S = 32768: not kept.)"""
     gate_proj, up_proj, down_proj = (getattr(ctx.mlp_module, name) for name in _PROJECTIONS)
-    width = gate_proj.out_features
-    w_gate_up = torch.cat([gate_proj.weight, up_proj.weight])
-    b_gate_up = _cat_biases(gate_proj, up_proj)
-    trainable = {id(p) for p in ctx.params}
-    want_w_gate_up = gate_proj.weight.requires_grad or up_proj.weight.requires_grad
-    want_b_gate_up = b_gate_up is not None and any(
-        b is not None and id(b) in trainable for b in (gate_proj.bias, up_proj.bias)
-    )
-    sum_w_down = sum_b_down = sum_w_gate_up = sum_b_gate_up = None
+    index = {id(p): i for i, p in enumerate(ctx.params)}
+    sums = [None] * len(ctx.params)
+
+    def add(param, grad_fn):
+        if param is not None and id(param) in index:
+            i = index[id(param)]
+            sums[i] = grad_fn(sums[i])
+
     d_x = torch.empty_like(x) if want_x else None
     for start, length in ctx.bounds:
         rows = x.narrow(-2, start, length).reshape(-1, x.shape[-1])
         d_rows = d_out.narrow(-2, start, length).reshape(-1, d_out.shape[-1])
-        gate_up = F.linear(rows, w_gate_up, b_gate_up)
-        hidden = gated_recompute_backward(
-            d_rows @ down_proj.weight, gate_up[:, :width], gate_up[:, width:], ctx.gated
-        )  # gate_up now holds d_gate | d_up
-        if id(down_proj.weight) in trainable:
-            sum_w_down = _add_matmul(sum_w_down, d_rows.t(), hidden)
-        if down_proj.bias is not None and id(down_proj.bias) in trainable:
-            sum_b_down = _accumulate(sum_b_down, d_rows.sum(0))
+        d_gate = F.linear(rows, gate_proj.weight, gate_proj.bias)  # gate, until the fused pass
+        d_up = F.linear(rows, up_proj.weight, up_proj.bias)  # up, likewise
+        hidden = gated_recompute_backward(d_rows @ down_proj.weight, d_gate, d_up, ctx.gated)
+        add(down_proj.weight, lambda total: _add_matmul(total, d_rows.t(), hidden))
+        add(down_proj.bias, lambda total: _accumulate(total, d_rows.sum(0)))
         del hidden
-        if want_w_gate_up:
-            sum_w_gate_up = _add_matmul(sum_w_gate_up, gate_up.t(), rows)
-        if want_b_gate_up:
-            sum_b_gate_up = _accumulate(sum_b_gate_up, gate_up.sum(0))
+        for proj, d_proj in ((gate_proj, d_gate), (up_proj, d_up)):
+            add(proj.weight, lambda total: _add_matmul(total, d_proj.t(), rows))
+            add(proj.bias, lambda total: _accumulate(total, d_proj.sum(0)))
         if want_x:
-            d_x.narrow(-2, start, length).copy_((gate_up @ w_gate_up).view(*x.shape[:-2], length, x.shape[-1]))
-    sums = {id(down_proj.weight): sum_w_down, id(down_proj.bias): sum_b_down}
-    for part, proj in enumerate((gate_proj, up_proj)):
-        rows_of_part = slice(part * width, (part + 1) * width)
-        sums[id(proj.weight)] = None if sum_w_gate_up is None else sum_w_gate_up[rows_of_part]
-        if proj.bias is not None:
-            sums[id(proj.bias)] = None if sum_b_gate_up is None else sum_b_gate_up[rows_of_part]
-    param_grads = [None if sums.get(id(p)) is None else sums[id(p)].to(p.dtype) for p in ctx.params]
+            d_x_rows = d_gate @ gate_proj.weight
+            d_x_rows.addmm_(d_up, up_proj.weight)
+            d_x.narrow(-2, start, length).copy_(d_x_rows.view(*x.shape[:-2], length, x.shape[-1]))
+    param_grads = [None if total is None else total.to(p.dtype) for total, p in zip(sums, ctx.params)]
     return (None, None, d_x, None, None, None, *param_grads)
-
-
-def _cat_biases(gate_proj, up_proj):
-    if gate_proj.bias is None and up_proj.bias is None:
-        return None
-    return torch.cat([
-        proj.bias if proj.bias is not None else proj.weight.new_zeros(proj.out_features)
-        for proj in (gate_proj, up_proj)
-    ])  # fmt: skip
 
 
 _OUT_DTYPE_MM = {}  # device type -> whether addmm(..., out_dtype=) accumulates low-precision GEMMs in fp32
