@@ -73,9 +73,17 @@ def measure(forward, x, d_out, host):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    step(forward, x, d_out, host)
+    out = forward(x)
+    torch.cuda.synchronize()
+    forward_peak = torch.cuda.max_memory_allocated() - before
+    out.backward(d_out)
+    del out
+    x.grad = None
+    for p in host.parameters():
+        p.grad = None
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
+    print(f"           ({forward_peak / 2**30:.2f} GiB of it in forward)")
     ms = do_bench(lambda: step(forward, x, d_out, host), warmup=3, rep=200, return_mode="median")
     return ms, peak
 

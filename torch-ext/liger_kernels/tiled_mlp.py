@@ -241,8 +241,7 @@ class LigerTiledMLPFunction(torch.autograd.Function):
                     else:
                         target.copy_(d_x_shard)
                 sums = [_accumulate(total, g) for total, g in zip(sums, grads)]
-        param_grads = [None if total is None else total.to(p.dtype) for total, p in zip(sums, ctx.params)]
-        return (None, None, d_x, None, None, None, *param_grads)
+        return (None, None, d_x, None, None, None, *_cast_each(sums, ctx.params))
 
 
 def _shard_grads(ctx, out, d_out_shard, shard_x, index):
@@ -330,8 +329,19 @@ def _gated_mlp_backward(ctx, x, d_out, want_x):
             d_x_rows = d_gate @ gate_proj.weight
             d_x_rows.addmm_(d_up, up_proj.weight)
             d_x.narrow(-2, start, length).copy_(d_x_rows.view(*x.shape[:-2], length, x.shape[-1]))
-    param_grads = [None if total is None else total.to(p.dtype) for total, p in zip(sums, ctx.params)]
-    return (None, None, d_x, None, None, None, *param_grads)
+            del d_x_rows
+        del d_gate, d_up  # before the next shard allocates its own: one shard's buffers at a time
+    return (None, None, d_x, None, None, None, *_cast_each(sums, ctx.params))
+
+
+def _cast_each(sums, params):
+    """The fp32 sums cast to their parameters' dtypes, each sum freed as soon as it is cast, so that the fp32
+    and the low-precision copies of all weights never coexist."""
+    grads = []
+    for i, p in enumerate(params):
+        grads.append(None if sums[i] is None else sums[i].to(p.dtype))
+        sums[i] = None
+    return grads
 
 
 _OUT_DTYPE_MM = {}  # device type -> whether addmm(..., out_dtype=) accumulates low-precision GEMMs in fp32
