@@ -18,21 +18,11 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch-ext"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import liger_kernels as lk  # noqa: E402
+from benchmark_mlp import _Host  # noqa: E402  (the same host module the `kernels benchmark` script uses)
 
 H, I = 4096, 14336
-
-
-class Host(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(H, I, bias=False)
-        self.up_proj = torch.nn.Linear(H, I, bias=False)
-        self.down_proj = torch.nn.Linear(I, H, bias=False)
-        self.act_fn = torch.nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 def gemm_tflops():
@@ -94,7 +84,7 @@ def main():
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
-    host = Host().cuda().bfloat16()
+    host = _Host(H, I).cuda().bfloat16()
     results = {"gemm_tflops": gemm_tflops(), "rows": []}
     print(f"bf16 GEMM 8192^3: {results['gemm_tflops']:.0f} TFLOP/s")
     print(f"{'S':>8} {'impl':<11} {'ms':>9} {'peak GiB':>9} {'GEMM TFLOP/s':>13}")
