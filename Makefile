@@ -6,10 +6,11 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo ops test variants
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt requirements-deepspeed.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-build-isolation -r requirements-deepspeed.txt
 	touch $@
 
 demo: $(VENV)/.installed

@@ -1,7 +1,9 @@
 """Workers for the multi-process tests (spawned: they must live in an importable module)."""
 
+import contextlib
 import datetime
 import json
+import types
 from pathlib import Path
 
 import kernels
@@ -161,3 +163,107 @@ def fsdp2_stale_compute_params(rank, world, port, variant_root, options, out_dir
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def zero_case(rank, world, port, variant_root, options, out_dir):
+    """DeepSpeed ZeRO (stage 2 or 3) with tiled MLPs against an untiled single-process run on the global
+    batch: every gradient (gathered), and the weights after one SGD step with lr 1."""
+    import copy
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=90))
+    try:
+        result = _zero_run(rank, world, Path(variant_root), options, deepspeed, copy)
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _zero_run(rank, world, variant_root, options, deepspeed, copy):
+    import gc
+
+    from deepspeed.utils import safe_get_full_grad
+
+    lk = kernels.get_local_kernel(variant_root)
+    stage, accumulation = options["stage"], options.get("accumulation", 1)
+    seq = options.get("seq", 256)
+    config = {
+        "train_batch_size": world * accumulation,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": accumulation,
+        "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    if options.get("bucket"):
+        config["zero_optimization"].update(reduce_bucket_size=options["bucket"], allgather_bucket_size=options["bucket"])
+    torch.manual_seed(0)
+    if options["model"] == "llama":
+        from train_ddp import kernelize_tiled, tiny_llama_config
+        from transformers import LlamaForCausalLM
+
+        reference = LlamaForCausalLM(tiny_llama_config())
+        build = lambda: kernelize_tiled(copy.deepcopy(reference), variant_root)  # noqa: E731
+
+        def loss_of(m, r, micro):
+            ids = torch.randint(0, 97, (1, seq), generator=torch.Generator().manual_seed(10 * micro + r))
+            return m(input_ids=ids, labels=ids).loss
+    else:
+        reference = torch.nn.Sequential(*[GatedMLP(64, 160) for _ in range(3)])
+
+        def build():
+            model = copy.deepcopy(reference)
+            for block in model:
+                block.forward = types.MethodType(lk.LigerTiledSwiGLUMLP.forward, block)
+            return model
+
+        def loss_of(m, r, micro):
+            g = torch.Generator().manual_seed(10 * micro + r)
+            x = torch.randn(1, seq, 64, generator=g)
+            return (m(x) * torch.randn(1, seq, 64, generator=g)).mean()
+
+    freeze = options.get("freeze")
+    for name, p in reference.named_parameters():
+        if (freeze == "embed_norm" and ("embed" in name or "norm" in name)) or (freeze == "non_mlp" and ".mlp." not in name):
+            p.requires_grad_(False)
+    if options.get("zero_init"):
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = build()
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            for p, q in zip(model.parameters(), reference.parameters()):
+                p.data.copy_(q.data)
+    else:
+        model = build()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        p.requires_grad_(q.requires_grad)
+    engine, *_ = deepspeed.initialize(model=model, config=config,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    partitioned = stage != 3 or all(p.numel() == 0 for p in engine.module.parameters())
+    for micro in range(accumulation):
+        engine.backward(loss_of(engine, rank, micro))
+        for r in range(world):
+            (loss_of(reference, r, micro) / (world * accumulation)).backward()
+        if micro < accumulation - 1:
+            engine.step()  # a no-op step at a non-boundary micro-batch, as DeepSpeed's loop does
+    grad_diff, missing = 0.0, []
+    for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+        if not q.requires_grad:
+            continue
+        full = safe_get_full_grad(p)
+        if full is None or not torch.isfinite(full).all():
+            missing.append(name)
+            continue
+        grad_diff = max(grad_diff, (full - q.grad).abs().max().item())
+    engine.step()
+    torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=1.0).step()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params) if stage == 3 else contextlib.nullcontext():
+        weight_diff = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(params, reference.parameters()))
+    del engine, model
+    gc.collect()
+    return {"grad_diff": grad_diff, "weight_diff": weight_diff, "missing": missing, "partitioned": partitioned}
