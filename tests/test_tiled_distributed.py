@@ -11,6 +11,7 @@ DDP_CASES = {
     "no_sync accumulation, 2 micro-batches": {"micro_batches": 2},
     "find_unused_parameters": {"find_unused_parameters": True},
     "static_graph": {"static_graph": True},
+    "embeddings and norms frozen": {"freeze": ["embed", "norm"]},
 }
 
 
