@@ -13,14 +13,24 @@ import torch.distributed as dist
 from tiled_cases import GatedMLP
 
 
+@contextlib.contextmanager
+def gloo_group(rank, world, port, seconds=60):
+    """A 2-rank gloo process group, torn down in order: a barrier once the body is done, then destroy."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=seconds),
+    )  # fmt: skip
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def uneven_sequences(rank, world, port, variant_root, options, out_dir):
     """Ranks with different sequence lengths and automatic shards. fn runs a collective in every shard,
     as ZeRO-3 and FSDP do when they gather parameters: unequal shard counts would hang here."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+    with gloo_group(rank, world, port):
         lk = kernels.get_local_kernel(Path(variant_root))
         torch.manual_seed(rank)
         module = GatedMLP(64, 96).double()
@@ -45,9 +55,6 @@ def uneven_sequences(rank, world, port, variant_root, options, out_dir):
         ])  # fmt: skip
         result = {"forward_calls": forward_calls, "total_calls": len(calls), "rows": calls, "diff": diff}
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def fsdp2_case(rank, world, port, variant_root, options, out_dir):
@@ -58,16 +65,9 @@ def fsdp2_case(rank, world, port, variant_root, options, out_dir):
 
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+    with gloo_group(rank, world, port):
         result = _fsdp2_run(rank, world, Path(variant_root), options, fully_shard, copy, types)
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _fsdp2_run(rank, world, variant_root, options, fully_shard, copy, types):
@@ -136,11 +136,7 @@ def fsdp2_stale_compute_params(rank, world, port, variant_root, options, out_dir
     silently missing gradient."""
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+    with gloo_group(rank, world, port):
         lk = kernels.get_local_kernel(Path(variant_root))
 
         class CapturingMLP(GatedMLP):
@@ -160,9 +156,6 @@ def fsdp2_stale_compute_params(rank, world, port, variant_root, options, out_dir
         except RuntimeError as e:
             error = str(e)
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"error": error}))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def zero_case(rank, world, port, variant_root, options, out_dir):
