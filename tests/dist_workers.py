@@ -57,21 +57,17 @@ def uneven_sequences(rank, world, port, variant_root, options, out_dir):
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def fsdp2_case(rank, world, port, variant_root, options, out_dir):
-    """FSDP2 (fully_shard) with tiled MLPs against an untiled single-process run on the global batch: every
-    gradient, and the weights after one SGD step with lr 1."""
-    import copy
-    import types
-
-    from torch.distributed.fsdp import fully_shard
-
+def engine_case(rank, world, port, variant_root, options, out_dir):
+    """DDP or FSDP2 (fully_shard), as options["engine"] says, with tiled MLPs against an untiled
+    single-process run on the global batch: every gradient, and the weights after one SGD step with lr 1."""
     with gloo_group(rank, world, port):
-        result = _fsdp2_run(rank, world, Path(variant_root), options, fully_shard, copy, types)
+        result = _engine_run(rank, world, Path(variant_root), options)
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def _fsdp2_run(rank, world, variant_root, options, fully_shard, copy, types):
-    import gc
+def _models(options, variant_root):
+    """(model with tiled MLPs, untiled reference, the units to shard, loss_of(model, rank, micro))."""
+    import copy
 
     lk = kernels.get_local_kernel(variant_root)
     torch.manual_seed(0)
@@ -81,7 +77,7 @@ def _fsdp2_run(rank, world, variant_root, options, fully_shard, copy, types):
 
         reference = LlamaForCausalLM(tiny_llama_config())
         model = kernelize_tiled(copy.deepcopy(reference), variant_root)
-        units = list(model.model.layers) if options["wrap"] == "layers" else [layer.mlp for layer in model.model.layers]
+        units = list(model.model.layers) if options.get("wrap") == "layers" else [layer.mlp for layer in model.model.layers]
 
         def loss_of(m, r, micro):
             ids = torch.randint(0, 97, (1, 256), generator=torch.Generator().manual_seed(10 * micro + r))
@@ -103,15 +99,35 @@ def _fsdp2_run(rank, world, variant_root, options, fully_shard, copy, types):
             for name, p in m.named_parameters():
                 if "embed" in name or "norm" in name:
                     p.requires_grad_(False)
-    if options["wrap"] in ("layers", "mlp"):
-        for unit in units:
-            fully_shard(unit, reshard_after_forward=options.get("reshard", True))
-    fully_shard(model, reshard_after_forward=options.get("reshard", True))
+    return model, reference, units, loss_of
+
+
+def _engine_run(rank, world, variant_root, options):
+    import gc
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, reference, units, loss_of = _models(options, variant_root)
+    fsdp = options["engine"] == "fsdp2"
+    if fsdp:
+        if options.get("wrap") in ("layers", "mlp"):
+            for unit in units:
+                fully_shard(unit, reshard_after_forward=options.get("reshard", True))
+        fully_shard(model, reshard_after_forward=options.get("reshard", True))
+        wrapped, full = model, lambda t: t.full_tensor()
+    else:
+        wrapped = DDP(model, find_unused_parameters=options.get("find_unused_parameters", False),
+                      static_graph=options.get("static_graph", False))  # fmt: skip
+        full = lambda t: t  # noqa: E731
 
     micro_batches = options.get("micro_batches", 1)
     for micro in range(micro_batches):
-        model.set_requires_gradient_sync(micro == micro_batches - 1)
-        loss_of(model, rank, micro).backward()
+        last = micro == micro_batches - 1
+        if fsdp:
+            model.set_requires_gradient_sync(last)
+        with contextlib.nullcontext() if fsdp or last else wrapped.no_sync():
+            loss_of(wrapped, rank, micro).backward()
         for r in range(world):
             (loss_of(reference, r, micro) / world).backward()
     grad_diff, missing = 0.0, []
@@ -122,12 +138,12 @@ def _fsdp2_run(rank, world, variant_root, options, fully_shard, copy, types):
         if p.grad is None:
             missing.append(name)
             continue
-        grad_diff = max(grad_diff, (p.grad.full_tensor() - q.grad).abs().max().item())
+        grad_diff = max(grad_diff, (full(p.grad) - q.grad).abs().max().item())
     for m in (model, reference):
         torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0).step()
-    weight_diff = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    del model
-    gc.collect()
+    weight_diff = max((full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    del wrapped, model
+    gc.collect()  # DDP's reducer goes while its process group still exists
     return {"grad_diff": grad_diff, "weight_diff": weight_diff, "missing": missing}
 
 

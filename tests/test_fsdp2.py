@@ -3,7 +3,7 @@ single-process run on the global batch (fp32, max abs error <= 1e-6)."""
 
 import pytest
 
-from dist_workers import fsdp2_case, fsdp2_stale_compute_params
+from dist_workers import engine_case, fsdp2_stale_compute_params
 from train_ddp import launch
 
 CASES = {
@@ -20,7 +20,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fsdp2_matches_untiled_reference(variant_root, tmp_path, case):
-    for result in launch(fsdp2_case, 2, variant_root, CASES[case], tmp_path):
+    for result in launch(engine_case, 2, variant_root, {"engine": "fsdp2", **CASES[case]}, tmp_path):
         assert result["missing"] == [], result
         assert result["grad_diff"] <= 1e-6, result
         assert result["weight_diff"] <= 1e-6, result
