@@ -14,10 +14,13 @@ from tiled_cases import GatedMLP
 
 
 @contextlib.contextmanager
-def gloo_group(rank, world, port, seconds=60):
-    """A 2-rank gloo process group, torn down in order: a barrier once the body is done, then destroy."""
+def gloo_group(rank, world, port, seconds=60, backend="gloo"):
+    """A process group (gloo on CPU; nccl where scripts/multi_gpu_matrix.py runs these workers on GPUs),
+    torn down in order: a barrier once the body is done, then destroy."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=seconds),
     )  # fmt: skip
     try:
@@ -60,12 +63,16 @@ def uneven_sequences(rank, world, port, variant_root, options, out_dir):
 def engine_case(rank, world, port, variant_root, options, out_dir):
     """DDP or FSDP2 (fully_shard), as options["engine"] says, with tiled MLPs against an untiled
     single-process run on the global batch: every gradient, and the weights after one SGD step with lr 1."""
-    with gloo_group(rank, world, port):
+    with gloo_group(rank, world, port, backend=options.get("backend", "gloo")):
         result = _engine_run(rank, world, Path(variant_root), options)
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def _models(options, variant_root):
+def _device(options, rank):
+    return torch.device("cuda", rank) if options.get("backend") == "nccl" else torch.device("cpu")
+
+
+def _models(options, variant_root, device=torch.device("cpu")):
     """(model with tiled MLPs, untiled reference, the units to shard, loss_of(model, rank, micro))."""
     import copy
 
@@ -81,6 +88,7 @@ def _models(options, variant_root):
 
         def loss_of(m, r, micro):
             ids = torch.randint(0, 97, (1, 256), generator=torch.Generator().manual_seed(10 * micro + r))
+            ids = ids.to(device)
             return m(input_ids=ids, labels=ids).loss
     else:
         reference = torch.nn.Sequential(*[GatedMLP(64, 160) for _ in range(3)])
@@ -92,14 +100,14 @@ def _models(options, variant_root):
         def loss_of(m, r, micro):
             g = torch.Generator().manual_seed(10 * micro + r)
             x = torch.randn(2, 256, 64, generator=g)
-            return (m(x) * torch.randn(2, 256, 64, generator=g)).mean()
+            return (m(x.to(device)) * torch.randn(2, 256, 64, generator=g).to(device)).mean()
 
     if options.get("freeze"):
         for m in (model, reference):
             for name, p in m.named_parameters():
                 if "embed" in name or "norm" in name:
                     p.requires_grad_(False)
-    return model, reference, units, loss_of
+    return model.to(device), reference.to(device), units, loss_of
 
 
 def _engine_run(rank, world, variant_root, options):
@@ -108,7 +116,8 @@ def _engine_run(rank, world, variant_root, options):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model, reference, units, loss_of = _models(options, variant_root)
+    device = _device(options, rank)
+    model, reference, units, loss_of = _models(options, variant_root, device)
     fsdp = options["engine"] == "fsdp2"
     if fsdp:
         if options.get("wrap") in ("layers", "mlp"):
@@ -117,7 +126,8 @@ def _engine_run(rank, world, variant_root, options):
         fully_shard(model, reshard_after_forward=options.get("reshard", True))
         wrapped, full = model, lambda t: t.full_tensor()
     else:
-        wrapped = DDP(model, find_unused_parameters=options.get("find_unused_parameters", False),
+        wrapped = DDP(model, device_ids=[rank] if device.type == "cuda" else None,
+                      find_unused_parameters=options.get("find_unused_parameters", False),
                       static_graph=options.get("static_graph", False))  # fmt: skip
         full = lambda t: t  # noqa: E731
 
@@ -184,7 +194,9 @@ def zero_case(rank, world, port, variant_root, options, out_dir):
                       MASTER_PORT=str(port))  # fmt: skip
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=90))
+    if options.get("backend") == "nccl":
+        torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend=options.get("backend", "gloo"), timeout=datetime.timedelta(seconds=90))
     try:
         result = _zero_run(rank, world, Path(variant_root), options, deepspeed, copy)
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
@@ -199,6 +211,7 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
     from deepspeed.utils import safe_get_full_grad
 
     lk = kernels.get_local_kernel(variant_root)
+    device = _device(options, rank)
     stage, accumulation = options["stage"], options.get("accumulation", 1)
     seq = options.get("seq", 256)
     config = {
@@ -221,6 +234,7 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
 
         def loss_of(m, r, micro):
             ids = torch.randint(0, 97, (1, seq), generator=torch.Generator().manual_seed(10 * micro + r))
+            ids = ids.to(device)
             return m(input_ids=ids, labels=ids).loss
     else:
         reference = torch.nn.Sequential(*[GatedMLP(64, 160) for _ in range(3)])
@@ -234,7 +248,7 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
         def loss_of(m, r, micro):
             g = torch.Generator().manual_seed(10 * micro + r)
             x = torch.randn(1, seq, 64, generator=g)
-            return (m(x) * torch.randn(1, seq, 64, generator=g)).mean()
+            return (m(x.to(device)) * torch.randn(1, seq, 64, generator=g).to(device)).mean()
 
     freeze = options.get("freeze")
     for name, p in reference.named_parameters():
@@ -250,6 +264,7 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
         model = build()
     for p, q in zip(model.parameters(), reference.parameters()):
         p.requires_grad_(q.requires_grad)
+    reference.to(device)
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     partitioned = stage != 3 or all(p.numel() == 0 for p in engine.module.parameters())
