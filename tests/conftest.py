@@ -98,6 +98,19 @@ def poison(request):
         yield
 
 
+@pytest.fixture
+def tagged():
+    """Users tag the MLP classes themselves: no transformers model tags its MLP as SwiGLUMLP/GeGLUMLP."""
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    kernels.replace_kernel_forward_from_hub(LlamaMLP, "SwiGLUMLP")
+    kernels.replace_kernel_forward_from_hub(GemmaMLP, "GeGLUMLP")
+    yield
+    for cls in (LlamaMLP, GemmaMLP):
+        del cls.kernel_layer_name, cls.kernel_condition
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Error measures. Every comparison is against a float64 reference, by relative error ||out - ref|| / ||ref||.
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernels import Mode, kernelize, use_kernel_mapping
 
-from test_kernelize import MODELS, loss_and_grads, mlp_layers, tagged  # noqa: F401  (tagged is a fixture)
+from test_kernelize import MODELS, loss_and_grads, mlp_layers
 from test_layers import gemma_mlp, llama_mlp
 
 
@@ -50,7 +50,7 @@ def compiled_vs_eager(lk, variant_root, name, mode, device="cpu"):
 
 
 @pytest.mark.parametrize("mode", ["INFERENCE", "TRAINING"])
-def test_compiled_kernelized_llama_equals_eager(lk, variant_root, tagged, mode):  # noqa: F811
+def test_compiled_kernelized_llama_equals_eager(lk, variant_root, tagged, mode):
     mode_flag = getattr(Mode, mode) | Mode.TORCH_COMPILE
     eager, mlp_cls, kind, want, got = compiled_vs_eager(lk, variant_root, "llama", mode_flag)
     assert mlp_layers(eager, mlp_cls) == {f"Liger{'Tiled' if mode == 'TRAINING' else ''}{kind}MLP"}
@@ -61,7 +61,7 @@ def test_compiled_kernelized_llama_equals_eager(lk, variant_root, tagged, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["INFERENCE", "TRAINING"])
-def test_cuda_compiled_kernelized_llama_equals_eager(lk, variant_root, tagged, mode):  # noqa: F811
+def test_cuda_compiled_kernelized_llama_equals_eager(lk, variant_root, tagged, mode):
     with_triton = lk._backend.use_triton(torch.empty(1, device="cuda"))
     assert with_triton
     mode_flag = getattr(Mode, mode) | Mode.TORCH_COMPILE

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from kernels import Mode, kernelize, replace_kernel_forward_from_hub, use_kernel_mapping
+from kernels import Mode, kernelize, use_kernel_mapping
 from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.gemma.modeling_gemma import GemmaMLP
 from transformers.models.llama.modeling_llama import LlamaMLP
@@ -15,16 +15,6 @@ MODELS = {
     "llama": (lambda: LlamaForCausalLM(LlamaConfig(**SIZES)), LlamaMLP, "SwiGLU"),
     "gemma": (lambda: GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=16, hidden_act="gelu_pytorch_tanh")), GemmaMLP, "GEGLU"),
 }
-
-
-@pytest.fixture
-def tagged():
-    """Users tag the MLP classes themselves: no transformers model tags its MLP as SwiGLUMLP/GeGLUMLP."""
-    replace_kernel_forward_from_hub(LlamaMLP, "SwiGLUMLP")
-    replace_kernel_forward_from_hub(GemmaMLP, "GeGLUMLP")
-    yield
-    for cls in (LlamaMLP, GemmaMLP):
-        del cls.kernel_layer_name, cls.kernel_condition
 
 
 def mlp_layers(model, mlp_cls):

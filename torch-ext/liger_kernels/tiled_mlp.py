@@ -307,10 +307,9 @@ def _gated_mlp_backward(ctx, x, d_out, want_x):
     index = {id(p): i for i, p in enumerate(ctx.params)}
     sums = [None] * len(ctx.params)
 
-    def add(param, grad_fn):
-        if param is not None and id(param) in index:
-            i = index[id(param)]
-            sums[i] = grad_fn(sums[i])
+    def slot(param):
+        """Where ``param``'s gradient sum goes, or None for a parameter that gets no gradient."""
+        return None if param is None else index.get(id(param))
 
     d_x = torch.empty_like(x) if want_x else None
     for start, length in ctx.bounds:
@@ -319,12 +318,16 @@ def _gated_mlp_backward(ctx, x, d_out, want_x):
         d_gate = F.linear(rows, gate_proj.weight, gate_proj.bias)  # gate, until the fused pass
         d_up = F.linear(rows, up_proj.weight, up_proj.bias)  # up, likewise
         hidden = gated_recompute_backward(d_rows @ down_proj.weight, d_gate, d_up, ctx.gated)
-        add(down_proj.weight, lambda total: _add_matmul(total, d_rows.t(), hidden))
-        add(down_proj.bias, lambda total: _accumulate(total, d_rows.sum(0)))
+        if (i := slot(down_proj.weight)) is not None:
+            sums[i] = _add_matmul(sums[i], d_rows.t(), hidden)
+        if (i := slot(down_proj.bias)) is not None:
+            sums[i] = _accumulate(sums[i], d_rows.sum(0))
         del hidden
         for proj, d_proj in ((gate_proj, d_gate), (up_proj, d_up)):
-            add(proj.weight, lambda total: _add_matmul(total, d_proj.t(), rows))
-            add(proj.bias, lambda total: _accumulate(total, d_proj.sum(0)))
+            if (i := slot(proj.weight)) is not None:
+                sums[i] = _add_matmul(sums[i], d_proj.t(), rows)
+            if (i := slot(proj.bias)) is not None:
+                sums[i] = _accumulate(sums[i], d_proj.sum(0))
         if want_x:
             d_x_rows = d_gate @ gate_proj.weight
             d_x_rows.addmm_(d_up, up_proj.weight)
