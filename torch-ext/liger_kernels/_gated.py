@@ -66,7 +66,20 @@ def check_flag(value, arg: str, op: str) -> bool:
 # tensors of more than 2**31 elements and rows of any width work.
 
 BLOCK = 2048
-NUM_WARPS = 8
+NUM_WARPS = 4  # 16 elements per thread: measured best across shapes and activations (benchmarks/NOTES.md)
+
+
+@jit
+def _row_and_cols(n_cols, ONE_ROW: constexpr, BLOCK: constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    if ONE_ROW:  # contiguous tensors: no division to find the row
+        row = pid * 0
+        col_block = pid
+    else:
+        n_col_blocks = tl.cdiv(n_cols, BLOCK)
+        row = pid // n_col_blocks
+        col_block = pid % n_col_blocks
+    return row, col_block * BLOCK + tl.arange(0, BLOCK)
 
 
 @jit
@@ -74,12 +87,9 @@ def _gated_forward_kernel(
     gate_ptr, up_ptr, out_ptr,
     n_cols, gate_row_stride, up_row_stride, out_row_stride,
     gate_multiplier, down_multiplier,
-    ACTIVATION: constexpr, BLOCK: constexpr,
+    ACTIVATION: constexpr, ONE_ROW: constexpr, BLOCK: constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    n_col_blocks = tl.cdiv(n_cols, BLOCK)
-    row = pid // n_col_blocks
-    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    row, cols = _row_and_cols(n_cols, ONE_ROW, BLOCK)
     mask = cols < n_cols
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask).to(tl.float32)
@@ -92,12 +102,9 @@ def _gated_backward_kernel(
     d_out_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, out_ptr,
     n_cols, d_out_row_stride, gate_row_stride, up_row_stride, d_gate_row_stride, d_up_row_stride,
     gate_multiplier, down_multiplier,
-    ACTIVATION_AND_GRAD: constexpr, STORE_OUT: constexpr, BLOCK: constexpr,
+    ACTIVATION_AND_GRAD: constexpr, STORE_OUT: constexpr, ONE_ROW: constexpr, BLOCK: constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    n_col_blocks = tl.cdiv(n_cols, BLOCK)
-    row = pid // n_col_blocks
-    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    row, cols = _row_and_cols(n_cols, ONE_ROW, BLOCK)
     mask = cols < n_cols
     d_out = tl.load(d_out_ptr + row * d_out_row_stride + cols, mask=mask).to(tl.float32)
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask).to(tl.float32)
@@ -144,7 +151,7 @@ def _forward_triton(gate, up, activation: GatedActivation, gate_multiplier, down
         gate_rows, up_rows, out_rows,
         out_rows.shape[1], gate_rows.stride(0), up_rows.stride(0), out_rows.stride(0),
         gate_multiplier, down_multiplier,
-        ACTIVATION=activation.triton_value, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        ACTIVATION=activation.triton_value, ONE_ROW=out_rows.shape[0] == 1, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -165,8 +172,8 @@ def _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multipli
         d_out_rows.shape[1], d_out_rows.stride(0), gate_rows.stride(0), up_rows.stride(0),
         d_gate_rows.stride(0), d_up_rows.stride(0),
         gate_multiplier, down_multiplier,
-        ACTIVATION_AND_GRAD=activation.triton_value_and_grad, STORE_OUT=out is not None, BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
+        ACTIVATION_AND_GRAD=activation.triton_value_and_grad, STORE_OUT=out is not None,
+        ONE_ROW=d_out_rows.shape[0] == 1, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )  # fmt: skip
     return d_gate, d_up
 

@@ -128,9 +128,14 @@ class LigerGEGLUMLP(nn.Module):
         return geglu_mlp(self, x)
 
 
-# The tiled layers' fns say which gated activation they compute, so the tiled backward can recompute only
-# gate and up (see tiled_mlp._gated_mlp_backward).
-swiglu_mlp.gated_activation = lambda module: _swiglu.SILU
+# The tiled layers' fns say which gated activation they compute (checking the host as fn itself would), so
+# the tiled MLP can run the math directly and recompute only gate and up (see tiled_mlp._gated_plan).
+def _swiglu_activation(module: nn.Module):
+    _check_silu_host(module, "LigerSwiGLUMLP")
+    return _swiglu.SILU
+
+
+swiglu_mlp.gated_activation = _swiglu_activation
 geglu_mlp.gated_activation = lambda module: _geglu.ACTIVATIONS[_gelu_form(module, "LigerGEGLUMLP")]
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ._gated import gated_recompute_backward
+from ._gated import gated_forward, gated_recompute_backward
 
 OP = "apply_tiled_mlp"
 
@@ -205,9 +205,23 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         ctx.x_is_grad_leaf = x.is_leaf and x.requires_grad
         ctx.gated = _gated_plan(fn, mlp_module, x, ctx.params, ctx.zero3_params)
         ctx.save_for_backward(x)
+        if ctx.gated is not None:
+            with torch.no_grad():
+                return _gated_mlp_forward(ctx, x)
+        out = None
         with torch.no_grad():
-            outputs = [fn(mlp_module, x.narrow(-2, start, length)) for start, length in ctx.bounds]
-        return torch.cat(outputs, dim=-2)
+            for start, length in ctx.bounds:
+                shard_out = fn(mlp_module, x.narrow(-2, start, length))
+                if shard_out.dim() != x.dim() or shard_out.shape[-2] != length:
+                    raise ValueError(
+                        f"{OP}: `fn` must map a shard [..., {length}, H] to [..., {length}, H_out], got "
+                        f"{tuple(shard_out.shape)}"
+                    )
+                if out is None:  # written shard by shard: no second full-size copy, as torch.cat would make
+                    out = shard_out.new_empty(*shard_out.shape[:-2], x.shape[-2], shard_out.shape[-1])
+                out.narrow(-2, start, length).copy_(shard_out)
+                del shard_out
+        return out
 
     @staticmethod
     def backward(ctx, d_out):
@@ -218,10 +232,10 @@ class LigerTiledMLPFunction(torch.autograd.Function):
             )
         (x,) = ctx.saved_tensors
         want_x = ctx.needs_input_grad[2]
-        d_x = torch.empty_like(x) if want_x else None
-        sums = [None] * len(ctx.params)
         if ctx.gated is not None:
             return _gated_mlp_backward(ctx, x, d_out, want_x)
+        d_x = torch.empty_like(x) if want_x else None
+        sums = [None] * len(ctx.params)
         with _replay_rng(x.device, ctx.rng):
             for i, (start, length) in enumerate(ctx.bounds):
                 shard_x = x.narrow(-2, start, length).detach().requires_grad_(want_x)
@@ -298,6 +312,32 @@ def _gated_plan(fn, mlp_module, x, params, zero3_params):
     return describe(mlp_module)
 
 
+def _mm_into(target, a, weight, bias):
+    """target[..., :] = a @ weight^T (+ bias), the GEMM writing into target directly where its rows are
+    contiguous."""
+    rows = target.view(-1, target.shape[-1]) if target.is_contiguous() else None
+    if bias is None:
+        rows = torch.mm(a, weight.t(), out=rows)
+    else:
+        rows = torch.addmm(bias, a, weight.t(), out=rows)
+    if rows.data_ptr() != target.data_ptr() or target.numel() == 0:
+        target.copy_(rows.view(target.shape))
+
+
+def _gated_mlp_forward(ctx, x):
+    """fn's math per shard, with each shard's down projection written straight into the output."""
+    gate_proj, up_proj, down_proj = (getattr(ctx.mlp_module, name) for name in _PROJECTIONS)
+    out = x.new_empty(*x.shape[:-1], down_proj.out_features)
+    for start, length in ctx.bounds:
+        rows = x.narrow(-2, start, length).reshape(-1, x.shape[-1])
+        hidden = gated_forward(
+            F.linear(rows, gate_proj.weight, gate_proj.bias), F.linear(rows, up_proj.weight, up_proj.bias), ctx.gated
+        )
+        _mm_into(out.narrow(-2, start, length), hidden, down_proj.weight, down_proj.bias)
+        del hidden
+    return out
+
+
 def _gated_mlp_backward(ctx, x, d_out, want_x):
     """Per shard: gate = x W_g^T, up = x W_u^T; d_hidden = d_out W_down; one fused pass writes d_gate, d_up
     over gate, up and hidden over d_hidden; then dW_down += d_out^T hidden, dW_g += d_gate^T x,
@@ -329,9 +369,12 @@ def _gated_mlp_backward(ctx, x, d_out, want_x):
             if (i := slot(proj.bias)) is not None:
                 sums[i] = _accumulate(sums[i], d_proj.sum(0))
         if want_x:
-            d_x_rows = d_gate @ gate_proj.weight
+            target = d_x.narrow(-2, start, length)
+            d_x_rows = target.view(-1, x.shape[-1]) if target.is_contiguous() else None
+            d_x_rows = torch.mm(d_gate, gate_proj.weight, out=d_x_rows)
             d_x_rows.addmm_(d_up, up_proj.weight)
-            d_x.narrow(-2, start, length).copy_(d_x_rows.view(*x.shape[:-2], length, x.shape[-1]))
+            if d_x_rows.data_ptr() != target.data_ptr() or target.numel() == 0:
+                target.copy_(d_x_rows.view(target.shape))
             del d_x_rows
         del d_gate, d_up  # before the next shard allocates its own: one shard's buffers at a time
     return (None, None, d_x, None, None, None, *_cast_each(sums, ctx.params))
@@ -353,17 +396,17 @@ _OUT_DTYPE_MM = {}  # device type -> whether addmm(..., out_dtype=) accumulates 
 def _add_matmul(total, a, b):
     """total + a @ b, total in fp32 (fp64 for fp64) however low a and b are."""
     wide = torch.promote_types(a.dtype, torch.float32)
-    if total is None:
-        return (a @ b).to(wide)
     if a.dtype == wide:
-        return total.addmm_(a, b)
+        return a @ b if total is None else total.addmm_(a, b)
     device = a.device.type
     if _OUT_DTYPE_MM.get(device, True):
-        try:
+        try:  # the GEMM itself writes (or adds into) the fp32 sum: no low-precision product, no extra pass
+            if total is None:
+                return torch.mm(a, b, out_dtype=wide)
             return torch.addmm(total, a, b, out_dtype=wide, out=total)
         except (RuntimeError, TypeError, NotImplementedError):
             _OUT_DTYPE_MM[device] = False
-    return total.add_(a @ b)
+    return (a @ b).to(wide) if total is None else total.add_(a @ b)
 
 
 def _accumulate(total, grad):
