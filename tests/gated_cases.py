@@ -23,6 +23,15 @@ OPS = {
         lambda lk, a, b: lk.LigerGELUMulFunction.apply(a, b, "none"),
         lambda a, b: F.gelu(a) * b,
     ),
+    # the functional forms, which the layers call: an autograd.Function of their own in eager
+    "silu_mul": (
+        lambda lk, a, b: lk.silu_mul(a, b, 0.75, 1.5),
+        lambda a, b: F.silu(0.75 * a) * b * 1.5,
+    ),
+    "gelu_mul_exact": (
+        lambda lk, a, b: lk.gelu_mul(a, b, "none"),
+        lambda a, b: F.gelu(a) * b,
+    ),
 }
 
 

@@ -120,6 +120,8 @@ def require_interpreted_triton():
 IN_PLACE_CALLS = {
     "swiglu": lambda lk, a, b, in_place: lk.LigerSiLUMulFunction.apply(a, b, 1.0, 1.0, in_place),
     "geglu": lambda lk, a, b, in_place: lk.LigerGELUMulFunction.apply(a, b, "tanh", in_place),
+    "silu_mul": lambda lk, a, b, in_place: lk.silu_mul(a, b, 1.0, 1.0, in_place),
+    "gelu_mul": lambda lk, a, b, in_place: lk.gelu_mul(a, b, "tanh", in_place),
 }
 
 
@@ -170,3 +172,13 @@ def test_property_random_shapes_layouts_dtypes(lk, op, lead, width, strided, dty
     with backend(name), poisoned_outputs(lk):
         a, b, _ = make_pair((*lead, width), dtype, strided=strided)
         check_op(lk, op, a, b, dtype, name, bound="faithful")
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_double_backward_raises(lk, op, backend_name):
+    """First-order gradients only: differentiating them again raises instead of returning a wrong zero."""
+    a, b, _ = make_pair((4, 40), torch.float64 if backend_name == "torch" else torch.float32)
+    out = OPS[op][0](lk, a, b)
+    (d_a,) = torch.autograd.grad(out.sum(), a, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(d_a.sum(), a)
