@@ -39,46 +39,55 @@ def tiled_ratio(mlp, seq):
     return tiled["ms"] / (factor * min(untiled))
 
 
-def summary(results):
-    lines = []
-    ceiling = results["activations"]["copy_bytes_per_s"]
-    lines.append(
-        f"Copy bandwidth {ceiling['graph'] / 1e12:.2f} TB/s; bf16 GEMM {results['mlp']['gemm_tflops']:.0f} TFLOP/s "
-        f"({results.get('device', '?')}, torch {results.get('versions', {}).get('torch', '?')})."
-    )
-    lines.append("")
-    lines.append("Fused activations, bf16, % of copy bandwidth (forward / backward; CUDA-graph timing):")
-    lines.append("")
-    lines.append("| op | shape | " + " | ".join(ACTIVATION_IMPLS) + " | target |")
-    lines.append("|---|---|" + "---|" * (len(ACTIVATION_IMPLS) + 1))
+def _table(title, header, rows):
+    """A markdown table under a title line."""
+    lines = [title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows] + [""]
+
+
+def _activation_table(results):
     rows = _activation_rows(results)
+    body = []
     for op in ("swiglu", "geglu_tanh", "geglu_exact"):
         for shape, target in ACTIVATION_TARGET.items():
-            cells = []
+            cells = [op, f"{shape[0]}×{shape[1]}"]
             for impl in ACTIVATION_IMPLS:
                 row = rows.get((op, shape, impl))
                 cells.append("–" if row is None else f"{row['fwd_graph_pct']:.0f}% / {row['bwd_graph_pct']:.0f}%")
-            lines.append(f"| {op} | {shape[0]}×{shape[1]} | " + " | ".join(cells) + f" | ≥{target:.0f}% |")
-    lines.append("")
-    lines.append("Llama-8B MLP (H 4096, I 14336), forward + backward, bf16: median ms, extra peak GiB:")
-    lines.append("")
-    lines.append("| S | " + " | ".join(MLP_IMPLS) + " | tiled ÷ faster untiled | target |")
-    lines.append("|---|" + "---|" * (len(MLP_IMPLS) + 2))
+            body.append(cells + [f"≥{target:.0f}%"])
+    return _table(
+        "Fused activations, bf16, % of copy bandwidth (forward / backward; CUDA-graph timing):",
+        ["op", "shape", *ACTIVATION_IMPLS, "target"],
+        body,
+    )
+
+
+def _mlp_table(results):
     mlp = _mlp_rows(results)
+    body = []
     for seq in sorted({s for s, _ in mlp}):
-        cells = []
+        cells = [f"{seq:,}"]
         for impl in MLP_IMPLS:
             row = mlp.get((seq, impl))
             cells.append("–" if row is None else f"{row['ms']:.1f} ms, {row['peak_bytes'] / GIB:.2f} GiB")
         ratio = tiled_ratio(mlp, seq)
-        target = []
-        if seq in RATIO_TARGET:
-            target.append(f"≤{RATIO_TARGET[seq]:.2f}×")
-        if seq in MEMORY_TARGET:
-            target.append(f"≤{MEMORY_TARGET[seq]:.2f} GiB")
-        ratio_cell = "–" if ratio is None else f"{ratio:.3f}×"
-        lines.append(f"| {seq:,} | " + " | ".join(cells) + f" | {ratio_cell} | {', '.join(target) or '–'} |")
-    return "\n".join(lines)
+        target = [f"≤{RATIO_TARGET[seq]:.2f}×"] if seq in RATIO_TARGET else []
+        target += [f"≤{MEMORY_TARGET[seq]:.2f} GiB"] if seq in MEMORY_TARGET else []
+        body.append(cells + ["–" if ratio is None else f"{ratio:.3f}×", ", ".join(target) or "–"])
+    return _table(
+        "Llama-8B MLP (H 4096, I 14336), forward + backward, bf16: median ms, extra peak GiB:",
+        ["S", *MLP_IMPLS, "tiled ÷ faster untiled", "target"],
+        body,
+    )
+
+
+def summary(results):
+    ceiling = results["activations"]["copy_bytes_per_s"]
+    head = (
+        f"Copy bandwidth {ceiling['graph'] / 1e12:.2f} TB/s; bf16 GEMM {results['mlp']['gemm_tflops']:.0f} TFLOP/s "
+        f"({results.get('device', '?')}, torch {results.get('versions', {}).get('torch', '?')})."
+    )
+    return "\n".join([head, "", *_activation_table(results), *_mlp_table(results)])
 
 
 def plot(results, path):
