@@ -77,16 +77,16 @@ def backend_name(request):
 @contextlib.contextmanager
 def poisoned_outputs(lk):
     """Kernel outputs come back NaN-filled from the allocator, so an element a kernel fails to write shows."""
-    original = lk._gated.new_tensor
+    original = lk._backend.new_tensor
 
     def poisoned(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    lk._gated.new_tensor = poisoned
+    lk._backend.new_tensor = poisoned
     try:
         yield
     finally:
-        lk._gated.new_tensor = original
+        lk._backend.new_tensor = original
 
 
 @pytest.fixture(autouse=True)

@@ -99,17 +99,17 @@ def test_public_function_leaves_caller_tensors_intact(lk, op, backend_name):
 
 
 class CountingAllocator:
-    """Counts the kernel-output allocations made through _gated.new_tensor."""
+    """Counts the kernel-output allocations made through _backend.new_tensor."""
 
     def __init__(self, lk, monkeypatch):
         self.count = 0
-        inner = lk._gated.new_tensor
+        inner = lk._backend.new_tensor
 
         def counted(*args, **kwargs):
             self.count += 1
             return inner(*args, **kwargs)
 
-        monkeypatch.setattr(lk._gated, "new_tensor", counted)
+        monkeypatch.setattr(lk._backend, "new_tensor", counted)
 
 
 def require_interpreted_triton():

@@ -32,6 +32,10 @@ except ImportError:  # Metal, or a CPU-only install without Triton: the PyTorch 
         return value
 
 
+# Every kernel output is allocated through this name (``_backend.new_tensor(shape, dtype, device)``, looked
+# up at call time) so that tests can poison outputs (fill them with NaN) before a launch.
+new_tensor = torch.empty
+
 TRITON_DEVICE_TYPES = ("cuda", "xpu")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("auto", "torch", "triton")

@@ -14,10 +14,8 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import _backend
 from ._backend import constexpr, jit, tl, triton, use_triton
-
-# Kernel outputs are allocated through this name so tests can poison them (fill with NaN) before a launch.
-new_tensor = torch.empty
 
 
 class GatedActivation(NamedTuple):
@@ -146,7 +144,7 @@ def _grid(rows: torch.Tensor):
 
 
 def _forward_triton(gate, up, activation: GatedActivation, gate_multiplier, down_multiplier):
-    out = new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
+    out = _backend.new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
     gate_rows, up_rows, out_rows = _as_rows([gate, up, out])
     _gated_forward_kernel[_grid(out_rows)](
         gate_rows, up_rows, out_rows,
@@ -161,8 +159,8 @@ def _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multipli
     if in_place:
         d_gate, d_up = gate, up
     else:
-        d_gate = new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
-        d_up = new_tensor(up.shape, dtype=up.dtype, device=up.device)
+        d_gate = _backend.new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
+        d_up = _backend.new_tensor(up.shape, dtype=up.dtype, device=up.device)
     d_out_rows, gate_rows, up_rows, d_gate_rows, d_up_rows = _as_rows([d_out, gate, up, d_gate, d_up])
     out_rows = d_out_rows if out is None else out.view(d_out_rows.shape)  # out: contiguous, like d_out here
     if in_place and (d_gate_rows.data_ptr() != gate.data_ptr() or d_up_rows.data_ptr() != up.data_ptr()):
