@@ -31,22 +31,21 @@ def gloo_group(rank, world, port, seconds=60, backend="gloo"):
 
 
 def uneven_sequences(rank, world, port, variant_root, options, out_dir):
-    """Ranks with different sequence lengths and automatic shards. fn runs a collective in every shard,
-    as ZeRO-3 and FSDP do when they gather parameters: unequal shard counts would hang here."""
-    with gloo_group(rank, world, port):
+    """Ranks with different sequence lengths and automatic shards, no engine that gathers per shard: each
+    rank runs its own shard count and no collective at all (a collective would pair with the logging
+    all_reduce that follows, or hang)."""
+    with gloo_group(rank, world, port, seconds=30):
         lk = kernels.get_local_kernel(Path(variant_root))
         torch.manual_seed(rank)
         module = GatedMLP(64, 96).double()
         calls = []
 
-        def gathering(mlp, shard):
-            token = torch.ones(1)
-            dist.all_reduce(token)
+        def counting(mlp, shard):
             calls.append(shard.shape[-2])
             return mlp(shard)
 
         x = torch.randn(1, options["seq"][rank], 64, dtype=torch.float64, requires_grad=True)
-        out = lk.apply_tiled_mlp(gathering, module, x)
+        out = lk.apply_tiled_mlp(counting, module, x)
         forward_calls = len(calls)
         out.sum().backward()
         ref = x.detach().requires_grad_()
@@ -56,8 +55,27 @@ def uneven_sequences(rank, world, port, variant_root, options, out_dir):
         diff = max((x.grad - ref.grad).abs().max().item(), *[
             (p.grad - q.grad).abs().max().item() for p, q in zip(module.parameters(), module_ref.parameters())
         ])  # fmt: skip
-        result = {"forward_calls": forward_calls, "total_calls": len(calls), "rows": calls, "diff": diff}
+        logged = torch.tensor([float(rank + 1)])
+        dist.all_reduce(logged)
+        result = {"forward_calls": forward_calls, "total_calls": len(calls), "rows": calls, "diff": diff, "logged": logged.item()}
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def rank_subset_calls(rank, world, port, variant_root, options, out_dir):
+    """Only rank 0 runs the tiled layer of a model kernelized for training (evaluation, generation or
+    logging on one rank), forward and backward; then every rank joins a logging all_reduce."""
+    with gloo_group(rank, world, port, seconds=30):
+        lk = kernels.get_local_kernel(Path(variant_root))
+        torch.manual_seed(0)
+        module = GatedMLP(64, 96).double()
+        if rank == 0:
+            x = torch.randn(1, 300, 64, dtype=torch.float64, requires_grad=True)
+            with torch.no_grad():
+                lk.apply_tiled_mlp(lambda m, s: m(s), module, x)
+            lk.apply_tiled_mlp(lambda m, s: m(s), module, x).sum().backward()
+        logged = torch.tensor([float(rank + 1)])
+        dist.all_reduce(logged)
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"logged": logged.item()}))
 
 
 def engine_case(rank, world, port, variant_root, options, out_dir):

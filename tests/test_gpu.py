@@ -115,9 +115,9 @@ def test_cuda_tiled_accumulates_once_and_saves_memory(lk, auto_backend):
 def test_cuda_tiled_replays_dropout(lk, auto_backend):
     """The recompute draws the forward's dropout masks from the CUDA generator: gradients equal those of the
     same shards run with autograd."""
-    from tiled_cases import GatedMLP, call
+    from tiled_cases import DropoutGatedMLP, call
 
-    module = GatedMLP(512, 1376, dropout=0.3).cuda()
+    module = DropoutGatedMLP(512, 1376, dropout=0.3).cuda()
     x = torch.randn(2, 2048, 512, device="cuda", requires_grad=True)
     d_out = torch.randn(2, 2048, 512, device="cuda")
     torch.manual_seed(7)
@@ -148,3 +148,74 @@ def test_cuda_tiled_replays_autocast(lk, leaf, auto_backend):
         assert rel_err(t, u) < 0.1 * rel_err(u, f)
     for t, u, f in zip(tiled[2:], untiled[2:], fp32[2:]):
         assert rel_err(t, u) < 0.6 * rel_err(u, f)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What users combine with the ops and layers, on CUDA with the compiled kernels (the CPU suite runs the same
+# cases through the interpreter).
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_cuda_second_order_and_torch_func(lk, op, auto_backend):
+    from test_gated import _hvp
+
+    apply, reference = OPS[op]
+    a, b, _ = make_pair((64, 512), torch.float32, device="cuda")
+    v = torch.randn_like(a)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    for got, want in zip(_hvp(lambda p, q: apply(lk, p, q), a, b, v), _hvp(reference, a64, b64, v.double())):
+        assert rel_err(got, want) < 1e-5
+    a, b = a.detach(), b.detach()
+    assert rel_err(torch.func.vmap(lambda p, q: apply(lk, p, q))(a, b), reference(a.double(), b.double())) < 1e-6
+    got = torch.func.grad(lambda p: apply(lk, p, b).sum())(a)
+    assert rel_err(got, torch.func.grad(lambda p: reference(p, b.double()).sum())(a.double())) < 1e-6
+
+
+def test_cuda_in_place_backward_with_a_retained_graph_and_aliases(lk, auto_backend):
+    a, b, _ = make_pair((256, 1024), torch.float32, device="cuda")
+    out = lk.silu_mul(a * 1.0, b * 1.0, 1.0, 1.0, True)
+    first = torch.autograd.grad(out.sum(), (a, b), retain_graph=True)
+    second = torch.autograd.grad(out.sum(), (a, b))
+    for g, w in zip(first, second):
+        assert torch.equal(g, w)
+    y = a * 1.0
+    (d_a,) = torch.autograd.grad(lk.silu_mul(y, y, 1.0, 1.0, True).sum(), a)
+    ref = a.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad((torch.nn.functional.silu(ref) * ref).sum(), ref)
+    assert rel_err(d_a, want) < 1e-6
+
+
+@pytest.mark.parametrize("case", ["parametrize", "functional_call", "backward_hook", "peft"])
+def test_cuda_tiled_layer_with_pytorch_features(lk, case, auto_backend):
+    from test_tiled_mlp_features import LowRank, grads_of
+
+    torch.manual_seed(0)
+    host = llama_mlp(hidden=256, intermediate=688).cuda()  # fp32: the Triton kernels run
+    if case == "parametrize":
+        from torch.nn.utils import parametrize
+
+        parametrize.register_parametrization(host.gate_proj, "weight", LowRank(688, 256).float().cuda())
+    if case == "peft":
+        from peft import LoraConfig, inject_adapter_in_model
+
+        config = LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
+        holder = torch.nn.Module()
+        holder.mlp = host
+        host = inject_adapter_in_model(config, holder).cuda().mlp
+    tiled, plain = bind(lk.LigerTiledSwiGLUMLP, copy.deepcopy(host)), copy.deepcopy(host)
+    tiled.num_shards = 4
+    x = torch.randn(2, 1024, 256, device="cuda")
+    d_out = torch.randn_like(x)
+    if case == "backward_hook":
+        for module in (tiled, plain):
+            module.gate_proj.register_full_backward_hook(lambda m, gi, go: tuple(g * 0.5 for g in gi))
+    if case == "functional_call":
+        results = []
+        for module in (tiled, plain):
+            base = {n: p.detach().clone().requires_grad_() for n, p in module.named_parameters()}
+            out = torch.func.functional_call(module, {n: p * 0.5 for n, p in base.items()}, (x,))
+            results.append([out, *torch.autograd.grad(out, list(base.values()), d_out)])
+    else:
+        results = [grads_of(tiled, x, d_out), grads_of(plain, x, d_out)]
+    for got, want in zip(*results):
+        assert rel_err(got, want) < 1e-5

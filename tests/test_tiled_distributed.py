@@ -3,7 +3,7 @@
 
 import pytest
 
-from dist_workers import engine_case, uneven_sequences
+from dist_workers import engine_case, rank_subset_calls, uneven_sequences
 from train_ddp import launch, run_rank
 
 DDP_CASES = {
@@ -48,10 +48,20 @@ def test_ddp_gated_mlp_stack_matches_untiled_reference(variant_root, tmp_path, c
         assert result["grad_diff"] <= 1e-6 and result["weight_diff"] <= 1e-6, result
 
 
-def test_ranks_with_different_lengths_agree_on_the_shard_count(variant_root, tmp_path):
-    """S = 100 and 300 with H = 64: automatic counts 2 and 5, harmonized to 5 on both ranks."""
-    logs = launch(uneven_sequences, 2, variant_root, {"seq": [100, 300]}, tmp_path)
-    assert [log["forward_calls"] for log in logs] == [5, 5]
-    assert [log["total_calls"] for log in logs] == [10, 10]  # forward and recompute
-    assert logs[0]["rows"][:5] == [20, 20, 20, 20, 20] and logs[1]["rows"][:5] == [60] * 5
+def test_ranks_with_different_lengths_run_their_own_shard_counts(variant_root, tmp_path):
+    """S = 100 and 300 with H = 64: automatic counts 2 and 5, with no collective: the logging all_reduce
+    after the call pairs with its own kind and sums to 3 on both ranks."""
+    logs = launch(uneven_sequences, 2, variant_root, {"seq": [100, 300]}, tmp_path, timeout_s=60)
+    assert [log["forward_calls"] for log in logs] == [2, 5]
+    assert [log["total_calls"] for log in logs] == [4, 10]  # forward and recompute
+    assert logs[0]["rows"][:2] == [50, 50] and logs[1]["rows"][:5] == [60] * 5
     assert all(log["diff"] < 1e-12 for log in logs)
+    assert [log["logged"] for log in logs] == [3.0, 3.0]
+
+
+def test_a_tiled_call_on_one_rank_only_neither_hangs_nor_pairs_with_other_collectives(variant_root, tmp_path):
+    """Rank-0-only evaluation with a model kernelized for training: no hidden collective."""
+    logs = launch(rank_subset_calls, 2, variant_root, {}, tmp_path, timeout_s=60)
+    assert [log["logged"] for log in logs] == [3.0, 3.0]
+
+

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import rel_err
-from tiled_cases import GatedMLP, call, max_abs_diff, tiled_and_untiled_grads
+from tiled_cases import DropoutGatedMLP, GatedMLP, call, max_abs_diff, tiled_and_untiled_grads
 
 H = 64
 
@@ -159,7 +159,7 @@ def test_autocast_is_replayed_in_the_recompute(lk, leaf):
 def test_dropout_draws_the_same_masks_in_the_recompute(lk):
     """Backward must differentiate the function the forward computed: the reference runs the same shards
     with autograd (same random stream), the tiled call recomputes them. The caller's RNG is left as it was."""
-    module = GatedMLP(H, 160, dropout=0.5).double()
+    module = DropoutGatedMLP(H, 160, dropout=0.5).double()
     x = torch.randn(2, 256, H, dtype=torch.float64, requires_grad=True)
     d_out = torch.randn(2, 256, H, dtype=torch.float64)
 

@@ -5,18 +5,29 @@ import torch.nn.functional as F
 
 
 class GatedMLP(torch.nn.Module):
-    """A plain-PyTorch SwiGLU MLP: the untiled reference."""
+    """A plain-PyTorch SwiGLU MLP in the form the layers serve: the untiled reference."""
 
-    def __init__(self, hidden, intermediate, out_features=None, bias=False, dropout=0.0):
+    def __init__(self, hidden, intermediate, out_features=None, bias=False):
         super().__init__()
         self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = torch.nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = torch.nn.Linear(intermediate, out_features or hidden, bias=bias)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DropoutGatedMLP(GatedMLP):
+    """Dropout on the hidden activations: for apply_tiled_mlp with a generic fn (the layers refuse this form)."""
+
+    def __init__(self, hidden, intermediate, dropout):
+        super().__init__(hidden, intermediate)
         self.dropout = dropout
 
     def forward(self, x):
         h = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        return self.down_proj(F.dropout(h, self.dropout, training=self.dropout > 0))
+        return self.down_proj(F.dropout(h, self.dropout, training=True))
 
 
 def call(module, x):

@@ -4,7 +4,8 @@ Loaded as ``kernels.get_kernel("kernels-community/liger-kernels", version=3)``; 
 package under its own name, so everything here is imported relatively.
 """
 
-from . import geglu, layers, mapping, swiglu, tiled_mlp
+from . import activations, geglu, layers, mapping, swiglu, tiled_mlp
+from ._gated import gated_mul
 from .geglu import LigerGELUMulFunction, gelu_mul
 from .mapping import kernel_mapping, register_kernel_mapping
 from .layers import LigerGEGLUMLP, LigerLinear, LigerSwiGLUMLP, LigerTiledGEGLUMLP, LigerTiledSwiGLUMLP
@@ -20,7 +21,9 @@ __all__ = [
     "LigerTiledGEGLUMLP",
     "LigerTiledMLPFunction",
     "LigerTiledSwiGLUMLP",
+    "activations",
     "apply_tiled_mlp",
+    "gated_mul",
     "gelu_mul",
     "kernel_mapping",
     "mapping",

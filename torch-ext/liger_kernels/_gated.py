@@ -1,41 +1,35 @@
-"""Gated activations ``out = act(gate_multiplier * gate) * up * down_multiplier``: the machinery that SwiGLU
-and GeGLU share.
+"""Gated activations ``out = act(gate_multiplier * gate) * up * down_multiplier``: the kernels, their
+launchers, the PyTorch path and the autograd contract that every activation in ``activations.REGISTRY``
+shares (swiglu.py and geglu.py are the public faces of three of them).
 
-Each activation (``swiglu.SILU``, ``geglu.GELU_TANH``, ``geglu.GELU_ERF``) supplies its math twice: as
-``@triton.jit`` functions for the kernels below and as PyTorch functions for the PyTorch backend. This module
-validates inputs, lays tensors out as rows without copying, runs the Triton kernels or the PyTorch path (as
-``_backend.use_triton`` decides), and carries the autograd contract both backends share: save ``gate`` and
-``up``, recompute the activation in backward.
+This module validates inputs, lays tensors out as rows without copying, runs the Triton kernels or the
+PyTorch path (as ``_backend.use_triton`` decides), and carries the autograd contract both backends share:
+save ``gate`` and ``up``, recompute the activation in backward. It is over 300 lines because the kernels,
+their launchers, the PyTorch path and the torch.library ops must change together.
 """
 
 import numbers
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _backend
 from ._backend import constexpr, jit, tl, triton, use_triton
-
-
-class GatedActivation(NamedTuple):
-    name: str
-    triton_value: Callable  # @jit (z) -> act(z), fp32
-    triton_value_and_grad: Callable  # @jit (z) -> (act(z), act'(z)), fp32
-    torch_value: Callable  # (z) -> act(z), z in fp32 or fp64
-    torch_value_and_grad: Callable  # (z) -> (act(z), act'(z))
+from .activations import REGISTRY, GatedActivation
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Validation: every check runs before any launch.
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # float8 has no math here
 
 
 def check_pair(a, b, op: str) -> None:
     for arg, value in (("a", a), ("b", b)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{op}: `{arg}` must be a torch.Tensor, got {type(value).__name__}")
-        if not value.dtype.is_floating_point:
-            raise TypeError(f"{op}: `{arg}` must have a floating dtype (float32, float16, bfloat16), got {value.dtype}")
+        if value.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{op}: `{arg}` must be float32, float16, bfloat16 or float64, got {value.dtype}")
         if value.dim() == 0:
             raise ValueError(f"{op}: `{arg}` must have at least one dimension, got a 0-d tensor")
     if a.shape != b.shape:
@@ -52,6 +46,12 @@ def check_multiplier(value, arg: str, op: str) -> float:
     return float(value)
 
 
+def check_activation(value, op: str) -> GatedActivation:
+    if not isinstance(value, str) or value not in REGISTRY:
+        raise ValueError(f"{op}: `activation` must be one of {sorted(REGISTRY)}, got {value!r}")
+    return REGISTRY[value]
+
+
 def check_flag(value, arg: str, op: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{op}: `{arg}` must be a bool, got {type(value).__name__}")
@@ -64,8 +64,10 @@ def check_flag(value, arg: str, op: str) -> bool:
 # taken with .chunk(2, -1)) are read in place through their row stride. Offsets are int64 throughout, so
 # tensors of more than 2**31 elements and rows of any width work.
 
+# The launch shape: read at each launch, so the maintainers' sweep (benchmarks/suite/bench_activations.py
+# --sweep) can set them per run; 16 elements per thread was best across shapes and activations (NOTES.md).
 BLOCK = 2048
-NUM_WARPS = 4  # 16 elements per thread: measured best across shapes and activations (benchmarks/NOTES.md)
+NUM_WARPS = 4
 
 
 @jit
@@ -259,7 +261,48 @@ def gated_recompute_backward(d_out, gate, up, activation) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The autograd Functions' shared contract (LigerSiLUMulFunction, LigerGELUMulFunction).
+# The autograd Functions' shared contract (LigerSiLUMulFunction, LigerGELUMulFunction, the functional forms).
+#
+# * Backward recomputes the activation from the saved gate and up.
+# * Under create_graph (grad mode on inside backward) or a torch.func transform, backward is the PyTorch
+#   composite, itself differentiable, so Hessian-vector products see the activation's second derivative.
+# * In-place backward (gradients written over gate's and up's buffers) is taken only where it is provably
+#   harmless: both are outputs of autograd ops (not leaves, nor views of leaves, whose values the caller
+#   owns), they do not share storage (an aliased pair would read what it already overwrote), and the graph is
+#   not being retained (a second backward would read gradients instead of activations).
+
+
+def function_forward(gate, up, activation, gate_multiplier, down_multiplier) -> torch.Tensor:
+    """The public Functions' forward: the kernels, or the composite for tensors a torch.func transform wraps."""
+    if transforms_active(gate, up):
+        return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
+    return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
+
+
+def transforms_active(*tensors) -> bool:
+    """True inside a torch.func transform (vmap, grad, jacrev...): its wrapped tensors have no storage a
+    Triton kernel could read, so the differentiable PyTorch composite runs instead. (A compiled graph handles
+    transforms itself, and the check is opaque to the compiler.)"""
+    if torch.compiler.is_compiling():
+        return False
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
+def may_write_over(gate, up) -> bool:
+    """Whether backward may write gradients over ``gate`` and ``up`` (see above)."""
+    for t in (gate, up):
+        if t.grad_fn is None or (t._base is not None and t._base.grad_fn is None):
+            return False
+    return gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+
+
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def graph_is_retained() -> bool:
+    """Whether the running backward keeps the graph (retain_graph=True, autograd.functional.jacobian...);
+    assumed so where this PyTorch cannot tell."""
+    return True if _keep_graph is None else _keep_graph()
 
 
 def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place) -> None:
@@ -267,14 +310,16 @@ def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplie
     ctx.activation = activation
     ctx.gate_multiplier = gate_multiplier
     ctx.down_multiplier = down_multiplier
-    ctx.in_place = in_place
+    ctx.in_place = in_place and may_write_over(gate, up)
 
 
 def backward_from_ctx(ctx, d_out) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     gate, up = ctx.saved_tensors
-    d_gate, d_up = gated_backward(
-        d_out, gate, up, ctx.activation, ctx.gate_multiplier, ctx.down_multiplier, ctx.in_place
-    )
+    args = (ctx.activation, ctx.gate_multiplier, ctx.down_multiplier)
+    if torch.is_grad_enabled() or transforms_active(d_out, gate, up):
+        d_gate, d_up = _backward_torch(d_out, gate, up, *args)
+    else:
+        d_gate, d_up = gated_backward(d_out, gate, up, *args, ctx.in_place and not graph_is_retained())
     return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None)
 
 
@@ -285,20 +330,13 @@ def backward_from_ctx(ctx, d_out) -> Tuple[Optional[torch.Tensor], Optional[torc
 # versions never collide.
 
 NAMESPACE = __name__.split(".")[0]
-ACTIVATIONS = {}
-
-
-def register_activation(activation: GatedActivation) -> GatedActivation:
-    ACTIVATIONS[activation.name] = activation
-    return activation
-
 
 @torch.library.custom_op(f"{NAMESPACE}::gated_forward", mutates_args=())
 def gated_forward_op(
     gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float, down_multiplier: float,
     in_place_backward: bool,
 ) -> torch.Tensor:  # fmt: skip
-    return gated_forward(gate, up, ACTIVATIONS[activation], gate_multiplier, down_multiplier)
+    return gated_forward(gate, up, REGISTRY[activation], gate_multiplier, down_multiplier)
 
 
 @gated_forward_op.register_fake
@@ -311,7 +349,7 @@ def gated_backward_op(
     d_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float,
     down_multiplier: float,
 ) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    return gated_backward(d_out, gate, up, ACTIVATIONS[activation], gate_multiplier, down_multiplier)
+    return gated_backward(d_out, gate, up, REGISTRY[activation], gate_multiplier, down_multiplier)
 
 
 @gated_backward_op.register_fake
@@ -324,7 +362,7 @@ def gated_backward_in_place_op(
     d_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float,
     down_multiplier: float,
 ) -> None:  # fmt: skip
-    gated_backward(d_out, gate, up, ACTIVATIONS[activation], gate_multiplier, down_multiplier, in_place=True)
+    gated_backward(d_out, gate, up, REGISTRY[activation], gate_multiplier, down_multiplier, in_place=True)
 
 
 @gated_backward_in_place_op.register_fake
@@ -336,12 +374,16 @@ def _setup_context(ctx, inputs, output):
     gate, up, activation, gate_multiplier, down_multiplier, in_place_backward = inputs
     ctx.save_for_backward(gate, up)
     ctx.args = (activation, gate_multiplier, down_multiplier)
-    ctx.in_place = in_place_backward
+    # Compiled graphs never write in place (see _backward), and fake tensors have no storage to compare.
+    ctx.in_place = in_place_backward and not torch.compiler.is_compiling() and may_write_over(gate, up)
 
 
 def _backward(ctx, d_out):
     gate, up = ctx.saved_tensors
-    if ctx.in_place and not torch.compiler.is_compiling():
+    if torch.is_grad_enabled():  # create_graph: the differentiable composite (see the contract above)
+        activation, gate_multiplier, down_multiplier = ctx.args
+        d_gate, d_up = _backward_torch(d_out, gate, up, REGISTRY[activation], gate_multiplier, down_multiplier)
+    elif ctx.in_place and not torch.compiler.is_compiling() and not graph_is_retained():
         gated_backward_in_place_op(d_out, gate, up, *ctx.args)
         d_gate, d_up = gate, up
     else:  # compiled graphs get the pure op: the compiler plans the buffers itself
@@ -354,10 +396,10 @@ torch.library.register_autograd(gated_forward_op, _backward, setup_context=_setu
 
 # ----------------------------------------------------------------------------------------------------------
 # The functional forms (silu_mul, gelu_mul) and the layers call gated_apply. torch.compile gets the
-# torch.library op above; eager code gets a plain autograd.Function, because the op's dispatch costs the
-# host ~100 us per call and more in backward (measured on the H200: forward + backward 773 us through the
-# op, 566 through the setup_context-style public Functions, whose apply binds its arguments through
-# inspect.signature each call). A host that cannot run ahead of the GPU (small models) feels that directly.
+# torch.library op above; eager code gets a plain autograd.Function, because the op's dispatch costs the host
+# several times more per call, and the setup_context-style public Functions bind their arguments through
+# inspect.signature on every apply (figures in benchmarks/NOTES.md). A host that cannot run ahead of the GPU
+# (small models, decoding) feels that directly.
 
 
 class _EagerGated(torch.autograd.Function):
@@ -367,13 +409,29 @@ class _EagerGated(torch.autograd.Function):
         return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, d_out):
         return (*backward_from_ctx(ctx, d_out), None, None, None, None)
 
 
 def gated_apply(gate, up, activation: GatedActivation, gate_multiplier, down_multiplier, in_place_backward):
-    """The fused op with autograd, for validated inputs."""
+    """The fused op with autograd, for validated inputs.
+
+    torch.export and torch.func get the PyTorch composite: an exported program then holds only aten ops and
+    loads wherever PyTorch does (the torch.library namespace is per build), and transformed tensors have no
+    storage for a kernel."""
+    if torch.compiler.is_exporting() or transforms_active(gate, up):
+        return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     if torch.compiler.is_compiling():
         return gated_forward_op(gate, up, activation.name, gate_multiplier, down_multiplier, in_place_backward)
     return _EagerGated.apply(gate, up, activation, gate_multiplier, down_multiplier, in_place_backward)
+
+
+def gated_mul(a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):
+    """``act(gate_multiplier * a) * b * down_multiplier`` for any activation in ``activations.REGISTRY``
+    ("silu", "gelu_tanh", "gelu", ...), with autograd; what silu_mul and gelu_mul are for one activation."""
+    op = "gated_mul"
+    check_pair(a, b, op)
+    act = check_activation(activation, op)
+    gate_multiplier = check_multiplier(gate_multiplier, "gate_multiplier", op)
+    down_multiplier = check_multiplier(down_multiplier, "down_multiplier", op)
+    return gated_apply(a, b, act, gate_multiplier, down_multiplier, check_flag(in_place_backward, "in_place_backward", op))

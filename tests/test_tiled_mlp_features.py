@@ -1,0 +1,345 @@
+"""The tiled layers combined with what training code combines them with: each case equals the plain
+transformers module in float64 (or gives a clear error). Single process; the distributed cases are in
+test_tiled_distributed.py."""
+
+import copy
+import types
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, Phi3Config
+from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+from conftest import INTERPRETED, backend
+
+HIDDEN, INTERMEDIATE, SEQ = 32, 80, 96  # 3 automatic shards
+
+
+def llama_mlp(bias=False):
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, hidden_act="silu", mlp_bias=bias)
+    return LlamaMLP(config).double()
+
+
+def bind(layer_cls, host):
+    host.forward = types.MethodType(layer_cls.forward, host)
+    return host
+
+
+def tiled_and_plain(lk, host, layer="LigerTiledSwiGLUMLP"):
+    return bind(getattr(lk, layer), copy.deepcopy(host)), copy.deepcopy(host)
+
+
+def grads_of(module, x, d_out, extra=()):
+    """(out, d_x, grads of every trainable parameter, grads of ``extra``)."""
+    x = x.detach().requires_grad_()
+    out = module(x)
+    params = [p for p in module.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out, [x, *params, *extra], d_out, allow_unused=True)
+    return [out, *grads]
+
+
+def assert_same(got, want, tolerance=1e-12):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert (g is None) == (w is None), f"item {i}: a gradient is None on one side only"
+        if g is not None:
+            assert (g - w).abs().max().item() < tolerance, f"item {i}: {(g - w).abs().max().item():.3e}"
+
+
+def inputs():
+    torch.manual_seed(1)
+    return torch.randn(2, SEQ, HIDDEN, dtype=torch.float64), torch.randn(2, SEQ, HIDDEN, dtype=torch.float64)
+
+
+class LowRank(nn.Module):
+    """W + B A: a LoRA written as a parametrization (minLoRA's recipe)."""
+
+    def __init__(self, out_features, in_features, rank=4):
+        super().__init__()
+        self.A = nn.Parameter(torch.randn(rank, in_features, dtype=torch.float64) * 0.1)
+        self.B = nn.Parameter(torch.randn(out_features, rank, dtype=torch.float64) * 0.1)
+
+    def forward(self, weight):
+        return weight + self.B @ self.A
+
+
+@pytest.mark.parametrize("kind", ["lora", "weight_norm", "orthogonal"])
+def test_parametrized_projections(lk, kind):
+    """Gradients reach the parametrization's own parameters, as in the plain module."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    host = llama_mlp()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        proj = getattr(host, name)
+        if kind == "lora":
+            parametrize.register_parametrization(proj, "weight", LowRank(*proj.weight.shape))
+        elif kind == "weight_norm":
+            parametrizations.weight_norm(proj)
+        elif name == "gate_proj":
+            parametrizations.orthogonal(proj)
+    tiled, plain = tiled_and_plain(lk, host)
+    x, d_out = inputs()
+    got, want = grads_of(tiled, x, d_out), grads_of(plain, x, d_out)
+    assert all(g is not None for g in got)
+    assert_same(got, want)
+
+
+def test_functional_call_fast_weights(lk):
+    """MAML's inner step: substituted (non-leaf) weights get their gradients, and the input gradient uses them."""
+    host = llama_mlp()
+    tiled, plain = tiled_and_plain(lk, host)
+    x, d_out = inputs()
+    results = []
+    for module in (tiled, plain):
+        base = {n: p.detach().clone().requires_grad_() for n, p in module.named_parameters()}
+        fast = {n: p * 0.5 + 0.01 for n, p in base.items()}  # different from the module's own weights
+        leaf = x.detach().requires_grad_()
+        out = torch.func.functional_call(module, fast, (leaf,))
+        results.append([out, *torch.autograd.grad(out, [leaf, *base.values()], d_out)])
+    assert_same(*results)
+
+
+def test_stacked_ensemble_with_vmap(lk):
+    """torch.func.stack_module_state + vmap(functional_call): per-member outputs and gradients."""
+    members = [llama_mlp() for _ in range(3)]
+    for i, m in enumerate(members):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1 + 0.1 * i)
+    x, _ = inputs()
+    results = []
+    for tiled in (True, False):
+        modules = [bind(lk.LigerTiledSwiGLUMLP, copy.deepcopy(m)) if tiled else copy.deepcopy(m) for m in members]
+        params, buffers = torch.func.stack_module_state(modules)
+        skeleton = copy.deepcopy(modules[0]).to("meta")
+
+        def loss(p, b, x_):
+            return (torch.func.functional_call(skeleton, (p, b), (x_,)) ** 2).sum()
+
+        grads, value = torch.func.vmap(torch.func.grad_and_value(loss, argnums=0), in_dims=(0, 0, None))(params, buffers, x)
+        results.append([grads[n] for n in sorted(grads)] + [value])
+    assert_same(*results)
+
+
+def test_per_sample_gradients(lk):
+    """Opacus' recipe: vmap(grad(functional_call)) over the batch."""
+    host = llama_mlp()
+    x, d_out = inputs()
+    results = []
+    for module in tiled_and_plain(lk, host):
+        params = {n: p.detach() for n, p in module.named_parameters()}
+
+        def loss(p, sample, d):
+            return (torch.func.functional_call(module, p, (sample.unsqueeze(0),)) * d).sum()
+
+        grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, d_out)
+        results.append([grads[n] for n in sorted(grads)])
+    assert_same(*results)
+
+
+@pytest.mark.parametrize("hook", ["full_backward_hook", "full_backward_pre_hook"])
+def test_backward_hooks_on_projections_fire_as_in_the_plain_module(lk, hook):
+    """Gradient monitors, per-layer clipping: the hooks see what they see in the plain module, once per backward,
+    and what they return (here: gradients scaled by 0.5) is used."""
+    host = llama_mlp()
+    x, d_out = inputs()
+    results = []
+    for module in tiled_and_plain(lk, host):
+        seen = []
+
+        def record(mod, *grads):  # (grad_input, grad_output) or (grad_output,): records grad_output
+            seen.append([g.clone() for g in grads[-1] if g is not None])
+            return tuple(None if g is None else g * 0.5 for g in grads[0])
+
+        getattr(module.gate_proj, f"register_{hook}")(record)
+        results.append((grads_of(module, x, d_out), seen))
+    (got, seen_tiled), (want, seen_plain) = results
+    assert len(seen_tiled) == len(seen_plain) == 1
+    assert_same(seen_tiled[0], seen_plain[0])
+    assert_same(got, want)
+
+
+def test_forward_hooks_on_projections_keep_the_gradients_exact(lk):
+    """A forward hook that changes a projection's output (activation steering) is applied in the forward and in
+    the recompute alike: the gradients stay exact."""
+    host = llama_mlp()
+    x, d_out = inputs()
+    results = []
+    for module in tiled_and_plain(lk, host):
+        module.up_proj.register_forward_hook(lambda mod, args, out: out * 1.5 + 0.25)
+        results.append(grads_of(module, x, d_out))
+    assert_same(*results)
+
+
+def test_peft_lora_on_the_projections(lk):
+    """peft's LoRA (its own Linear wrappers) on gate/up/down: every gradient, the adapters' included."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = llama_mlp()
+
+    holder = inject_adapter_in_model(config, Holder()).double()
+    tiled, plain = tiled_and_plain(lk, holder.mlp)
+    x, d_out = inputs()
+    got, want = grads_of(tiled, x, d_out), grads_of(plain, x, d_out)
+    assert len(want) > 2 and all(g is not None for g in got)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("case", ["cpu_offload", "disk_offload"])
+def test_accelerate_offload(lk, tmp_path, case):
+    """accelerate's offload hooks keep the weights on the meta device between calls and load them in their own
+    forward: the tiled layer calls the projections (no fast path on meta weights) and equals the plain module."""
+    import accelerate
+
+    host = llama_mlp()
+    x, _ = inputs()
+    outs, modules = [], tiled_and_plain(lk, host)
+    for module in modules:
+        if case == "cpu_offload":
+            accelerate.cpu_offload(module, execution_device=torch.device("cpu"))
+        else:
+            accelerate.disk_offload(module, str(tmp_path / str(len(outs))), execution_device=torch.device("cpu"))
+        assert module.gate_proj.weight.is_meta
+        with torch.no_grad():
+            outs.append(module(x))
+    assert torch.isfinite(outs[0]).all()
+    assert_same([outs[0]], [outs[1]])
+    # Training through offloaded weights: the plain module silently drops their gradients; the tiled one says so.
+    with pytest.raises(RuntimeError, match="liger-kernels apply_tiled_mlp: .*gradient would be lost"):
+        modules[0](x.requires_grad_()).sum().backward()
+
+
+def test_compiled_tiled_layer_with_lora_dropout_is_exact(lk):
+    """torch.compile around a tiled layer whose projections carry dropout (peft LoRA with lora_dropout): the
+    tiled call runs outside the compiled graph, so the recompute replays the masks the forward drew. The
+    compiled run equals the eager run with the same seed, outputs and gradients."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["gate_proj", "up_proj"], init_lora_weights=False)
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = llama_mlp()
+
+    holder = inject_adapter_in_model(config, Holder()).double().train()
+    tiled = bind(lk.LigerTiledSwiGLUMLP, holder.mlp)
+    x, d_out = inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(tiled, backend="inductor")
+    results = []
+    for module in (tiled, compiled):
+        torch.manual_seed(7)
+        results.append(grads_of(module, x, d_out))
+    assert_same(*results)
+
+
+def test_meta_tensors(lk):
+    """Shape propagation on the meta device (deferred init, memory planning) through forward and backward."""
+    with torch.device("meta"):
+        host = llama_mlp().to("meta")
+        x = torch.empty(2, SEQ, HIDDEN, dtype=torch.float64, requires_grad=True)
+    for layer in ("LigerTiledSwiGLUMLP", "LigerSwiGLUMLP"):
+        module = bind(getattr(lk, layer), copy.deepcopy(host))
+        out = module(x)
+        assert out.shape == (2, SEQ, HIDDEN) and out.is_meta
+        out.sum().backward()
+        assert x.grad.shape == x.shape and module.gate_proj.weight.grad.is_meta
+        x.grad = None
+
+
+@pytest.mark.parametrize("layer", ["LigerTiledSwiGLUMLP", "LigerSwiGLUMLP"])
+def test_export(lk, layer, tmp_path):
+    """torch.export of a kernelized module: the program holds only aten ops (no per-build op namespace), so it
+    saves and loads where the package is not loaded, and it equals the plain module."""
+    host = llama_mlp()
+    module, plain = tiled_and_plain(lk, host, layer)
+    x, _ = inputs()
+    program = torch.export.export(module, (x,))
+    assert "liger" not in str(program.graph)
+    path = tmp_path / "mlp.pt2"
+    torch.export.save(program, path)
+    loaded = torch.export.load(path)
+    assert_same([loaded.module()(x)], [plain(x)])
+
+
+def test_direct_function_call_with_automatic_shards(lk):
+    host = llama_mlp()
+    x, d_out = inputs()
+    x = x.requires_grad_()
+    params = list(host.parameters())
+    out = lk.LigerTiledMLPFunction.apply(lambda m, s: m(s), host, x, None, [], None, *params)
+    got = [out, *torch.autograd.grad(out, [x, *params], d_out)]
+    want = grads_of(host, x, d_out)
+    assert_same(got, want)
+
+
+def test_automatic_shard_count_is_capped(lk):
+    """H = 2 and S = 100,000 would be 50,000 shards of 2 tokens: capped, and still exact."""
+    calls = []
+    module = nn.Linear(2, 2).double()
+
+    def counting(mlp, shard):
+        calls.append(shard.shape[-2])
+        return mlp(shard)
+
+    x = torch.randn(100_000, 2, dtype=torch.float64)
+    out = lk.apply_tiled_mlp(counting, module, x)
+    assert len(calls) <= 100 and sum(calls) == 100_000
+    assert (out - module(x)).abs().max().item() < 1e-12
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hosts the layers must reproduce or refuse.
+
+
+def test_host_with_activation_sparsity_is_refused(lk):
+    """Gemma3n's first layers sparsify the gate before the activation: a GeGLU layer would drop that."""
+    from transformers import Gemma3nTextConfig
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextMLP
+
+    config = Gemma3nTextConfig(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2, activation_sparsity_pattern=[0.95, 0.0]
+    )
+    for layer in ("LigerGEGLUMLP", "LigerTiledGEGLUMLP"):
+        host = bind(getattr(lk, layer), Gemma3nTextMLP(config, layer_idx=0))
+        with pytest.raises(ValueError, match="liger-kernels .*Gemma3nTextMLP cannot be served: .*if self.activation_sparsity"):
+            host(torch.randn(2, 5, HIDDEN))
+
+
+def test_host_whose_forward_differs_is_refused(lk):
+    class ScaledMLP(LlamaMLP):
+        def forward(self, x):
+            return 2 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE)
+    for layer in ("LigerSwiGLUMLP", "LigerTiledSwiGLUMLP"):
+        host = bind(getattr(lk, layer), ScaledMLP(config))
+        with pytest.raises(ValueError, match="ScaledMLP cannot be served: its forward"):
+            host(torch.randn(2, 5, HIDDEN))
+
+
+@pytest.mark.parametrize("layer", ["LigerSwiGLUMLP", "LigerTiledSwiGLUMLP"])
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_phi3_fused_gate_up_host(lk, layer, name):
+    """Phi-3's gate_up_proj (one projection, chunked): served, equal to the plain module."""
+    if name == "triton" and not INTERPRETED:
+        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    torch.manual_seed(0)
+    config = Phi3Config(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, hidden_act="silu")
+    dtype = torch.float64 if name == "torch" else torch.float32
+    host = Phi3MLP(config).to(dtype)
+    module, plain = bind(getattr(lk, layer), copy.deepcopy(host)), copy.deepcopy(host)
+    x, d_out = (t.to(dtype) for t in inputs())
+    with backend(name):
+        got = grads_of(module, x, d_out)
+    want = grads_of(plain, x, d_out)
+    assert_same(got, want, 1e-12 if dtype == torch.float64 else 1e-4)

@@ -1,0 +1,110 @@
+"""How a tiled call is laid out: whether it tiles at all, how many shards, and where they start.
+
+* The shard count is a function of the shapes alone, so it needs no communication: ceil(S / H) shards, so
+  that each shard's S x I intermediates are about the size of one weight matrix, and at most MAX_AUTO_SHARDS
+  (each shard is a Python-level loop step with its own launches: H = 2 and S = 100k would otherwise run
+  50,000 of them).
+* Under torch.distributed no collective runs, except where the parameters are gathered inside each shard
+  (DeepSpeed ZeRO-3 parameters, or FSDP2 units inside the MLP): there ranks must run the same number of
+  shards or a rank would wait forever in a gather, so the count is the maximum over ranks. Such engines
+  already require every rank to call the module; nothing else pays for a collective (rank-0-only
+  evaluation, generation, MoE experts called a different number of times per rank).
+* Some calls run untiled, because only the plain call is exact there (``untiled_reason``).
+"""
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._gated import transforms_active
+
+OP = "apply_tiled_mlp"
+MAX_AUTO_SHARDS = 100
+
+
+def check_num_shards(num_shards) -> Optional[int]:
+    if num_shards is None:
+        return None
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"{OP}: `num_shards` must be None (automatic) or an int >= 1, got {num_shards!r}")
+    return num_shards
+
+
+def auto_num_shards(x: torch.Tensor) -> int:
+    """min(ceil(S / H), MAX_AUTO_SHARDS), at least 1."""
+    seq_len, hidden = x.shape[-2], x.shape[-1]
+    return max(1, min(math.ceil(seq_len / max(hidden, 1)), MAX_AUTO_SHARDS))
+
+
+def num_shards_for(requested: Optional[int], x: torch.Tensor, gathers_per_shard: bool) -> int:
+    if requested is not None:
+        return requested
+    count = auto_num_shards(x)
+    return harmonize_num_shards(count, x) if gathers_per_shard else count
+
+
+def harmonize_num_shards(num_shards: int, x: torch.Tensor) -> int:
+    """The maximum over ranks (extra shards are empty), for engines that gather parameters per shard."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return num_shards
+    device = torch.device("cpu") if dist.get_backend() == "gloo" or x.device.type == "meta" else x.device
+    count = torch.tensor([num_shards], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
+def shard_bounds(seq_len: int, num_shards: int) -> List[tuple]:
+    """(start, length) of each shard; sizes differ by at most one, trailing shards may be empty."""
+    base, extra = divmod(seq_len, num_shards)
+    bounds, start = [], 0
+    for i in range(num_shards):
+        length = base + (1 if i < extra else 0)
+        bounds.append((start, length))
+        start += length
+    return bounds
+
+
+def _fsdp_module_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
+def gathers_per_shard(mlp_module, zero3_params) -> bool:
+    """Whether the module's parameters are gathered inside every shard's call: ZeRO-3 parameters, or FSDP2
+    units strictly inside the MLP (an FSDP2 unit at the MLP or above gathers once around the whole call)."""
+    if zero3_params:
+        return True
+    fsdp = _fsdp_module_class()
+    if fsdp is None or not isinstance(mlp_module, nn.Module):
+        return False
+    return any(isinstance(m, fsdp) for m in mlp_module.modules() if m is not mlp_module)
+
+
+def _has_backward_hooks(mlp_module) -> bool:
+    hooks = nn.modules.module
+    if hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
+        return True
+    if not isinstance(mlp_module, nn.Module):
+        return False
+    return any(m._backward_hooks or m._backward_pre_hooks for m in mlp_module.modules() if m is not mlp_module)
+
+
+def untiled_reason(mlp_module, x: torch.Tensor, params) -> Optional[str]:
+    """Why this call must run as the plain ``fn(mlp_module, x)``, or None to tile it.
+
+    * torch.func transforms: their wrapped tensors cannot cross the tiled Function's recompute.
+    * Module backward hooks inside the MLP (gradient monitors, per-layer clipping, K-FAC): tiled, they would
+      fire once per shard with a slice of the gradient instead of once with all of it. (A hook on the MLP
+      module itself fires around the whole call either way.)
+    """
+    if transforms_active(x, *params):
+        return "torch.func transform"
+    if _has_backward_hooks(mlp_module):
+        return "module backward hooks"
+    return None
