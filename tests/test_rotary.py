@@ -117,16 +117,21 @@ NAMES = ("q_embed", "k_embed", "d_q", "d_k")
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("cos_batch", [None, 1], ids=["cos_per_batch", "cos_batch_1"])
-def test_float64_equals_transformers_bit_for_bit(lk, layout, cos_batch):
-    """The PyTorch path in float64 performs transformers' operations (each product rounded, then the sum):
-    values and gradients are identical, not merely close."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_pytorch_path_equals_transformers_bit_for_bit(lk, layout, cos_batch, dtype):
+    """In float64 (and float32, its own compute dtype) the PyTorch path performs transformers' operations
+    (each product rounded, then the sum): values and gradients are identical, not merely close."""
     torch.manual_seed(0)
     with backend("torch"):
-        q, k, cos, sin, dim, _ = make_case(layout, torch.float64, cos_batch=cos_batch)
-        ours, ref = run_both(lk, q, k, cos, sin, dim)
-    for name, got, want in zip(NAMES, ours, ref):
-        assert got.dtype == torch.float64 and got.shape == want.shape
-        assert torch.equal(got, want), name
+        q, k, cos, sin, dim, _ = make_case(layout, dtype, cos_batch=cos_batch)
+        q_embed, k_embed = lk.liger_rotary_pos_emb(q, k, cos, sin, dim)
+        ref_q, ref_k = transformers_rope(q, k, cos, sin, dim)
+        d_q, d_k = torch.randn_like(ref_q), torch.randn_like(ref_k)
+        got = (q_embed, k_embed, *grads((q_embed, k_embed), (q, k), (d_q, d_k)))
+        want = (ref_q, ref_k, *grads((ref_q, ref_k), (q, k), (d_q, d_k)))
+    for name, g, w in zip(NAMES, got, want):
+        assert g.dtype == dtype and g.shape == w.shape
+        assert torch.equal(g, w), name
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -658,6 +663,22 @@ def test_kernelize_llama_rotary(lk, variant_root, mode, restore_llama_rope):
     got_grads = torch.autograd.grad(got, list(model.parameters()))
     for g, w in zip(got_grads, want_grads):
         assert torch.equal(g, w)
+
+
+def test_kernelized_llama_traces_without_graph_break(lk, variant_root, restore_llama_rope, fresh_dynamo):
+    """Mode.TRAINING | Mode.TORCH_COMPILE: the whole model is one graph with the rotary op in it."""
+    flag = Mode.TRAINING | Mode.TORCH_COMPILE
+    mapping = {"rotary_pos_emb": {"cpu": {flag: LocalLayerRepository(variant_root, layer_name="liger_rotary_pos_emb_layer")}}}
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        kernelize(model.train(), mode=flag, device="cpu")
+    ids = torch.randint(0, 97, (2, 19))
+    explained = torch._dynamo.explain(lambda ids: model(input_ids=ids, labels=ids).loss)(ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    ops = [str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert sum(f"{lk.__name__}.rotary_forward" in op for op in ops) == config.num_hidden_layers
 
 
 # ----------------------------------------------------------------------------------------------------------

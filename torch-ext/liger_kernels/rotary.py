@@ -33,7 +33,7 @@ differentiable PyTorch composite.
 import torch
 
 from . import _backend
-from ._backend import constexpr, jit, tl, triton, use_triton
+from ._backend import constexpr, jit, tl, use_triton
 
 OP = "liger_rotary_pos_emb"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -96,7 +96,8 @@ def _dense_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     elementwise result would be. The fake (compile-time) outputs use this too, so their strides agree."""
     if x.is_contiguous():
         return _backend.new_tensor(x.shape, dtype=dtype, device=x.device)
-    lead = sorted(range(x.dim() - 1), key=lambda d: -x.stride(d))  # stable: ties keep the outer dim first
+    strides = x.stride()
+    lead = sorted(range(x.dim() - 1), key=lambda d: -strides[d])  # stable: ties keep the outer dim first
     order = [*lead, x.dim() - 1]
     dense = _backend.new_tensor([x.shape[d] for d in order], dtype=dtype, device=x.device)
     return dense.permute([order.index(d) for d in range(x.dim())])
@@ -182,12 +183,17 @@ TILE = 2048  # elements of one half-tile (BLOCK_H x BLOCK_D): 16 per thread with
 NUM_WARPS = 4
 
 
+def _next_power_of_2(n: int) -> int:  # triton.next_power_of_2 is a jit function: slow to call from the host
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def _collapse(dims: list[int], tensors) -> list[tuple[int, list[int]]]:
     """(size, per-tensor stride) for ``dims`` (same sizes in every tensor), merging neighbours that every
     tensor lays out as one strided dim."""
     groups = []
+    shape, all_strides = tensors[0].shape, [t.stride() for t in tensors]
     for d in dims:
-        size, strides = tensors[0].shape[d], [t.stride(d) for t in tensors]
+        size, strides = shape[d], [s[d] for s in all_strides]
         if groups and all(outer == s * size for outer, s in zip(groups[-1][1], strides)):
             groups[-1] = (groups[-1][0] * size, strides)
         else:
@@ -208,8 +214,8 @@ def _head_args(x, out, cos, max_block_h):
         groups.insert(0, (1, [0, 0]))
     (outer_size, (x_outer, out_outer)), (inner_size, (x_inner, out_inner)) = groups
     heads = outer_size * inner_size
-    block = min(triton.next_power_of_2(max(heads, 1)), max_block_h)
-    return (heads, inner_size, x_outer, x_inner, out_outer, out_inner), outer_size > 1, block, triton.cdiv(heads, block)
+    block = min(_next_power_of_2(heads), max_block_h)
+    return (heads, inner_size, x_outer, x_inner, out_outer, out_inner), outer_size > 1, block, -(-heads // block)
 
 
 def _launch_triton(q, k, q_out, k_out, cos, sin, backward: bool) -> bool:
@@ -220,7 +226,7 @@ def _launch_triton(q, k, q_out, k_out, cos, sin, backward: bool) -> bool:
     n = ref.dim()
     cos, sin = cos[(None,) * (n - cos.dim())], sin[(None,) * (n - sin.dim())]
     half = ref.shape[-1] // 2
-    block_d = triton.next_power_of_2(half)
+    block_d = _next_power_of_2(half)
     max_block_h = max(1, TILE // block_d)
     q_args = _head_args(q, q_out, cos, max_block_h)
     k_args = _head_args(k, k_out, cos, max_block_h)
