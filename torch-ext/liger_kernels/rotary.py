@@ -29,7 +29,6 @@ caller passed is written. ``cos``/``sin`` that require grad get their gradients:
 differentiable PyTorch composite.
 """
 
-
 import torch
 
 from . import _backend
