@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gated_mlp import geglu_mlp, swiglu_mlp
+from .rotary import liger_rotary_pos_emb  # also here, as in the published package
 from .tiled_mlp import apply_tiled_mlp
 
 
@@ -83,3 +84,20 @@ class LigerLinear(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         _check_linear_host(self)
         return linear(self, input) if input.dim() < 2 else tiled(linear, self, input)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rotary position embedding. transformers tags ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` with
+# ``use_kernel_forward_from_hub("rotary_pos_emb")``, which turns the function into a module whose forward
+# takes those arguments; kernelize binds this layer's forward to it (``self`` is that module, unused).
+# The lower-case name is the one the published package gives the layer.
+
+
+class liger_rotary_pos_emb_layer(nn.Module):
+    """:func:`liger_rotary_pos_emb` as a kernelize layer for transformers' "rotary_pos_emb"."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
+        return liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
