@@ -235,11 +235,13 @@ def test_mapping_options(lk, tmp_path):
 
 @pytest.fixture
 def fresh_kernels_caches(monkeypatch, tmp_path):
-    """No loaded layer and no resolved version carried over from other tests, and an empty Hub cache."""
+    """No loaded layer and no resolved version carried over from other tests, and an empty Hub cache
+    (``KERNELS_CACHE``, where kernels looks for version refs offline); yields the cache's path."""
     monkeypatch.setattr(kernels.layer.layer, "_CACHED_LAYER", {})
     kernels.LayerRepository._resolve_revision.cache_clear()
-    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path / "empty-cache"))
-    yield
+    cache = tmp_path / "hub-cache"
+    monkeypatch.setenv("KERNELS_CACHE", str(cache))
+    yield cache
     kernels.LayerRepository._resolve_revision.cache_clear()
 
 
@@ -315,7 +317,7 @@ def test_cuda_from_pretrained_use_kernels(lk, variant_root, tagged, tmp_path, mo
     if not is_kernels_available():
         pytest.skip(f"this transformers does not accept kernels {kernels.__version__}")
     monkeypatch.setenv("LOCAL_KERNELS", f"{HUB_REPO}={variant_root}")
-    offline_version_refs(tmp_path / "empty-cache", transformers_default_mapping())
+    offline_version_refs(fresh_kernels_caches, transformers_default_mapping())
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**SIZES)).save_pretrained(tmp_path / "model")
     load = {"dtype": torch.float32, "device_map": "cuda"}
