@@ -60,7 +60,7 @@ def kernelize_tiled(model, variant_root: Path):
 
     lk = kernels.get_local_kernel(variant_root)
     replace_kernel_forward_from_hub(LlamaMLP, "SwiGLUMLP")
-    with use_kernel_mapping(lk.kernel_mapping(variant_root), inherit_mapping=False):
+    with use_kernel_mapping(lk.kernel_mapping(variant_root, layers=["SwiGLUMLP"]), inherit_mapping=False):
         kernelize(model.train(), mode=Mode.TRAINING, device="cpu")
     tiled = [m for m in model.modules() if isinstance(m, LlamaMLP)]
     assert tiled and all(m.forward.__func__.__qualname__ == "LigerTiledSwiGLUMLP.forward" for m in tiled)

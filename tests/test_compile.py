@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernels import Mode, kernelize, use_kernel_mapping
 
-from test_kernelize import MODELS, loss_and_grads, mlp_layers
+from test_kernelize import MLP_LAYERS, MODELS, loss_and_grads, mlp_layers
 from test_layers import gemma_mlp, llama_mlp
 
 
@@ -37,7 +37,7 @@ def compiled_vs_eager(lk, variant_root, name, mode, device="cpu"):
     torch.manual_seed(0)
     eager = make().to(device)
     ids = torch.randint(0, 97, (2, 3 * 64 + 5), device=device)
-    with use_kernel_mapping(lk.kernel_mapping(variant_root), inherit_mapping=False):
+    with use_kernel_mapping(lk.kernel_mapping(variant_root, layers=MLP_LAYERS), inherit_mapping=False):
         kernelize(eager.train(), mode=mode, device=device if device != "cuda" else "cuda")
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model)
