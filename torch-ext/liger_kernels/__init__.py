@@ -4,16 +4,31 @@ Loaded as ``kernels.get_kernel("kernels-community/liger-kernels", version=3)``; 
 package under its own name, so everything here is imported relatively.
 """
 
-from . import geglu, layers, mapping, swiglu, tiled_mlp
+from . import cross_entropy, fused_linear_cross_entropy, geglu, layers, loss, mapping, swiglu, tiled_mlp
+from .cross_entropy import CrossEntropyOutput
+from .fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction, liger_fused_linear_cross_entropy
 from .geglu import LigerGELUMulFunction, gelu_mul
+from .layers import (
+    LigerForCausalLMLossLayer,
+    LigerGEGLUMLP,
+    LigerLinear,
+    LigerSwiGLUMLP,
+    LigerTiledGEGLUMLP,
+    LigerTiledSwiGLUMLP,
+)
+from .loss import CausalLMWithFusedLoss, LigerForCausalLMLoss, causal_lm_loss
 from .mapping import kernel_mapping, register_kernel_mapping
-from .layers import LigerGEGLUMLP, LigerLinear, LigerSwiGLUMLP, LigerTiledGEGLUMLP, LigerTiledSwiGLUMLP
 from .swiglu import LigerSiLUMulFunction, silu_mul
 from .tiled_mlp import LigerTiledMLPFunction, apply_tiled_mlp
 
 __all__ = [
-    "LigerGELUMulFunction",
+    "CausalLMWithFusedLoss",
+    "CrossEntropyOutput",
+    "LigerForCausalLMLoss",
+    "LigerForCausalLMLossLayer",
+    "LigerFusedLinearCrossEntropyFunction",
     "LigerGEGLUMLP",
+    "LigerGELUMulFunction",
     "LigerLinear",
     "LigerSiLUMulFunction",
     "LigerSwiGLUMLP",
@@ -21,12 +36,17 @@ __all__ = [
     "LigerTiledMLPFunction",
     "LigerTiledSwiGLUMLP",
     "apply_tiled_mlp",
+    "causal_lm_loss",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+    "geglu",
     "gelu_mul",
     "kernel_mapping",
+    "layers",
+    "liger_fused_linear_cross_entropy",
+    "loss",
     "mapping",
     "register_kernel_mapping",
-    "geglu",
-    "layers",
     "silu_mul",
     "swiglu",
     "tiled_mlp",

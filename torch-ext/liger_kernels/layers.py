@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import geglu as _geglu
+from . import loss as _loss
 from . import swiglu as _swiglu
 from .tiled_mlp import apply_tiled_mlp, is_plain_linear
 
@@ -176,3 +177,22 @@ class LigerLinear(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return linear(self, input) if input.dim() < 2 else tiled(linear, self, input)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The causal-LM loss. transformers maps "ForCausalLMLoss" (its loss function, made a layer by
+# ``use_kernel_forward_from_hub``) to this layer; kernels checks that the forward has the function's
+# parameters, so the fused path's hidden_states / lm_head_weight / lm_head_bias arrive through ``kwargs``.
+
+
+class LigerForCausalLMLossLayer(nn.Module):
+    """transformers' ``ForCausalLMLoss``, computed by :func:`~liger_kernels.loss.LigerForCausalLMLoss`: from the
+    logits, or fused with the LM head when ``hidden_states`` and ``lm_head_weight`` are passed."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                **kwargs):  # fmt: skip
+        return _loss.LigerForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                                          shift_labels, **kwargs)  # fmt: skip
