@@ -71,7 +71,7 @@ def check_target(target, rows_shape, n_classes: int, ignore_index: int, op: str)
         raise TypeError(f"{op}: `target` must hold integer class indices, got {target.dtype}")
     if tuple(target.shape) != tuple(rows_shape):
         raise ValueError(f"{op}: `target` must have shape {tuple(rows_shape)}, got {tuple(target.shape)}")
-    if target.device.type == "cpu" and target.numel() > 0:
+    if target.device.type == "cpu" and target.numel() > 0 and not torch.compiler.is_compiling():
         kept = target[target != ignore_index]
         if kept.numel() > 0 and (int(kept.min()) < 0 or int(kept.max()) >= n_classes):
             raise ValueError(
@@ -314,8 +314,9 @@ def _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z
 
 
 # ----------------------------------------------------------------------------------------------------------
-# PyTorch path: the same math in fp32 (fp64 for fp64 logits). Differentiable, so the composite (torch.func,
-# torch.export) is the same code.
+# PyTorch path: the same math in fp32 (fp64 for fp64 logits). ``rows_torch`` is differentiable, so the
+# composite (torch.func, torch.export) is the same code; the gradient functions work in place on V-wide
+# tensors (a chunk of a fused call may be a few hundred MiB on the CPU).
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -328,57 +329,118 @@ def _row_targets(target, n_cols: int, ignore_index: int):
     return kept, in_range, torch.where(kept & in_range, target, 0)
 
 
+def _softcap_torch(x, opts: Options):
+    """(s, t): the softcapped logits and tanh(x / softcap) (None without softcap)."""
+    if opts.softcap is None:
+        return x, None
+    t = torch.tanh(x / opts.softcap)
+    return t * opts.softcap, t
+
+
 def rows_torch(logits, target, ce_weight, opts: Options, want_pred: bool):
     """(lse, ce, z, pred) per row of 2-D ``logits``, as the stats kernel computes them."""
     n_cols = logits.shape[-1]
     x = logits.to(compute_dtype(logits.dtype))
-    s = opts.softcap * torch.tanh(x / opts.softcap) if opts.softcap is not None else x
+    s, _ = _softcap_torch(x, opts)
     lse = torch.logsumexp(s, dim=-1)
     kept, in_range, y = _row_targets(target, n_cols, opts.ignore_index)
     s_y = s.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    nll = lse - s_y
     w = ce_weight.to(x.dtype) if ce_weight is not None else None
-    ce = nll * w[y] if w is not None else nll
-    if opts.label_smoothing > 0:
-        centered = s - s_y.unsqueeze(-1)
-        if w is not None:
-            spread = w.sum() * nll - (centered * w).sum(-1)
-        else:
-            spread = n_cols * nll - centered.sum(-1)
-        ce = (1.0 - opts.label_smoothing) * ce + (opts.label_smoothing / n_cols) * spread
-    z = opts.lse_square_scale * lse * lse
-    if opts.use_token_scaling:
-        p_y = torch.exp(s_y - lse).detach()
-        ce, z = ce * p_y, z * p_y
+    ce, z = _row_losses(_centered_sums(s, s_y, w, opts), s_y, lse, y, w, n_cols, opts)
     ce = torch.where(kept, torch.where(in_range, ce, float("nan")), 0.0)
     z = torch.where(kept, z, 0.0)
     pred = torch.where(kept, x.argmax(-1), -1) if want_pred else None
     return lse, ce, z, pred
 
 
-def grad_torch(logits, target, ce_weight, lse, ce_scale, z_scale, opts: Options) -> torch.Tensor:
-    """The gradient kernel's math: d(a * ce + b * z)/d logits per row, in the compute dtype."""
-    n_cols = logits.shape[-1]
-    x = logits.to(compute_dtype(logits.dtype))
-    s = opts.softcap * torch.tanh(x / opts.softcap) if opts.softcap is not None else x
-    kept, in_range, y = _row_targets(target, n_cols, opts.ignore_index)
-    a, b = ce_scale.to(x.dtype).expand(lse.shape), z_scale.to(x.dtype).expand(lse.shape)
+def _centered_sums(s, s_y, w, opts: Options):
+    """sum_j w_j (s_j - s_y) per row, for the smoothing term (None without smoothing)."""
+    if opts.label_smoothing == 0:
+        return None
+    centered = s - s_y.unsqueeze(-1)
+    return (centered * w).sum(-1) if w is not None else centered.sum(-1)
+
+
+def _row_losses(centered_sums, s_y, lse, y, w, n_cols: int, opts: Options):
+    nll = lse - s_y
+    ce = nll * w[y] if w is not None else nll
+    if centered_sums is not None:  # sum_j w_j (lse - s_j) = W (lse - s_y) - sum_j w_j (s_j - s_y), as the kernel
+        weight_total = w.sum() if w is not None else n_cols
+        spread = weight_total * nll - centered_sums
+        ce = (1.0 - opts.label_smoothing) * ce + (opts.label_smoothing / n_cols) * spread
+    z = opts.lse_square_scale * lse * lse
     if opts.use_token_scaling:
-        p_y = torch.exp(s.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse)
+        p_y = torch.exp(s_y - lse).detach()
+        ce, z = ce * p_y, z * p_y
+    return ce, z
+
+
+def _grad_coefficients(s_y, lse, y, kept, in_range, w, n_cols, ce_scale, z_scale, opts: Options):
+    """Per row: (coefficient of p_j, of w_j, at j = y) of the gradient, zero for ignored rows, nan for
+    out-of-range targets."""
+    a, b = ce_scale.to(lse.dtype).expand(lse.shape), z_scale.to(lse.dtype).expand(lse.shape)
+    if opts.use_token_scaling:
+        p_y = torch.exp(s_y - lse)
         a, b = a * p_y, b * p_y
-    w = ce_weight.to(x.dtype) if ce_weight is not None else None
+    # where, not a product: an all-ignored "mean" has an infinite scale, and its rows must still give 0
+    a = torch.where(kept, torch.where(in_range, a, float("nan")), 0.0)
+    b = torch.where(kept, torch.where(in_range, b, float("nan")), 0.0)
     w_y = w[y] if w is not None else torch.ones_like(lse)
     weight_total = w.sum() if w is not None else float(n_cols)
     eps = opts.label_smoothing / n_cols
     coef_p = a * ((1.0 - opts.label_smoothing) * w_y + eps * weight_total) + b * 2.0 * opts.lse_square_scale * lse
-    g = torch.exp(s - lse.unsqueeze(-1)) * coef_p.unsqueeze(-1)
+    return coef_p, a * eps, a * (1.0 - opts.label_smoothing) * w_y
+
+
+def _finish_grad(g, y, t, w, smooth, target_term, opts: Options):
+    """g holds coef_p * p: subtract the smoothing and target terms, apply the softcap's derivative."""
     if opts.label_smoothing > 0:
-        g -= (a * eps).unsqueeze(-1) * (w if w is not None else 1.0)
-    g.scatter_add_(-1, y.unsqueeze(-1), (-a * (1.0 - opts.label_smoothing) * w_y).unsqueeze(-1))
-    if opts.softcap is not None:
-        g *= 1.0 - (s / opts.softcap) ** 2
-    g = torch.where(in_range.unsqueeze(-1), g, float("nan"))
-    return torch.where(kept.unsqueeze(-1), g, 0.0)
+        g.sub_(smooth.unsqueeze(-1) * (w if w is not None else 1.0))
+    g.scatter_add_(-1, y.unsqueeze(-1), -target_term.unsqueeze(-1))
+    if t is not None:
+        g.mul_(1.0 - t * t)
+    return g
+
+
+def grad_torch(logits, target, ce_weight, lse, ce_scale, z_scale, opts: Options, out=None) -> torch.Tensor:
+    """The gradient kernel's math: d(a * ce + b * z)/d logits per row, in the compute dtype; in ``out`` when
+    it has that dtype (it may be ``logits``)."""
+    n_cols = logits.shape[-1]
+    x = logits.to(compute_dtype(logits.dtype))
+    s, t = _softcap_torch(x, opts)
+    kept, in_range, y = _row_targets(target, n_cols, opts.ignore_index)
+    s_y = s.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    w = ce_weight.to(x.dtype) if ce_weight is not None else None
+    coef_p, smooth, target_term = _grad_coefficients(s_y, lse.to(x.dtype), y, kept, in_range, w, n_cols, ce_scale,
+                                                     z_scale, opts)  # fmt: skip
+    g = out if out is not None and out.dtype == x.dtype else None
+    g = torch.sub(s, lse.to(x.dtype).unsqueeze(-1), out=g).exp_().mul_(coef_p.unsqueeze(-1))
+    return _finish_grad(g, y, t, w, smooth, target_term, opts)
+
+
+def stats_and_grad_torch(logits, target, ce_weight, opts: Options, want_pred, ce_scale, z_scale):
+    """(lse, ce, z, pred) of ``rows_torch`` and the gradient of ``grad_torch``, written over ``logits``,
+    sharing one exponential sweep: p_j = exp(s_j - m) / d."""
+    n_cols = logits.shape[-1]
+    x = logits.to(compute_dtype(logits.dtype))
+    kept, in_range, y = _row_targets(target, n_cols, opts.ignore_index)
+    pred = torch.where(kept, x.argmax(-1), -1) if want_pred else None
+    s, t = _softcap_torch(x, opts)
+    s_y = s.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    w = ce_weight.to(x.dtype) if ce_weight is not None else None
+    m = s.amax(-1, keepdim=True)
+    centered_sums = _centered_sums(s, s_y, w, opts)
+    e = torch.sub(s, m, out=s).exp_()  # s: the logits themselves (fp32/fp64) or a temporary
+    d = e.sum(-1)
+    lse = m.squeeze(-1) + d.log()
+    ce, z = _row_losses(centered_sums, s_y, lse, y, w, n_cols, opts)
+    ce = torch.where(kept, torch.where(in_range, ce, float("nan")), 0.0)
+    z = torch.where(kept, z, 0.0)
+    coef_p, smooth, target_term = _grad_coefficients(s_y, lse, y, kept, in_range, w, n_cols, ce_scale, z_scale, opts)
+    g = _finish_grad(e.mul_((coef_p / d).unsqueeze(-1)), y, t, w, smooth, target_term, opts)
+    if g.data_ptr() != logits.data_ptr():
+        logits.copy_(g)
+    return lse, ce, z, pred
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -414,8 +476,22 @@ def row_grad(logits, target, ce_weight, weight_total, lse, ce_scale, z_scale, op
     if use_triton(logits):
         _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z_scale, opts)
     else:
-        grad.copy_(grad_torch(logits, target, ce_weight, lse, ce_scale, z_scale, opts))
+        result = grad_torch(logits, target, ce_weight, lse, ce_scale, z_scale, opts, out=grad)
+        if result.data_ptr() != grad.data_ptr():
+            grad.copy_(result)
     return grad
+
+
+def row_stats_and_grad(logits, target, ce_weight, weight_total, opts: Options, want_pred, ce_scale, z_scale, out):
+    """``row_stats`` into ``out``, then the gradient written over ``logits``."""
+    if use_triton(logits):
+        _stats_triton(logits, target, ce_weight, weight_total, opts, *out)
+        _grad_triton(logits, logits, target, ce_weight, weight_total, out[0], ce_scale, z_scale, opts)
+    else:
+        results = stats_and_grad_torch(logits, target, ce_weight, opts, want_pred, ce_scale, z_scale)
+        for dst, src in zip(out, results):
+            if dst is not None:
+                dst.copy_(src)
 
 
 def class_weight_total(ce_weight):
@@ -568,7 +644,7 @@ def apply_rows(logits, target, ce_weight, opts: Options, want_pred: bool):
     if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         ce, z, pred, _ = _rows_op(logits, target, ce_weight, *opts, want_pred)
         return ce, z, pred if want_pred else None
-    if torch.compiler.is_exporting() or is_functorch(logits):
+    if torch.compiler.is_compiling() or is_functorch(logits):  # torch.export, or torch.func transforms
         _, ce, z, pred = rows_torch(logits, target, ce_weight, opts, want_pred)
         return ce, z, pred
     return _EagerRows.apply(logits, target, ce_weight, opts, want_pred)

@@ -14,8 +14,9 @@ least 32 rows (GEMM efficiency), at most 1 GiB of logits, at most N. On the PyTo
 of the fp32/fp64 compute dtype, since its temporaries are in that dtype. (N = 32768, H = 4096, V = 128256 in
 bf16: 2048 rows, 16 chunks of 501 MiB.)
 
-Gradients are computed in forward for "mean" and "sum" (backward scales them by the incoming gradient, in
-place: they are handed over, so a second backward through the same graph raises). For "none" the incoming
+Gradients are computed in forward for "mean" and "sum"; backward scales them by the incoming gradient in
+place and hands them over (a later backward through a retained graph rescales them; if they were modified in
+between, e.g. accumulated into as ``.grad``, autograd's in-place check raises). For "none" the incoming
 gradient is per row and must weight each row before the rows are summed into the weight gradient, so forward
 keeps the row logsumexps and backward recomputes the chunks' logits.
 
@@ -43,7 +44,7 @@ MAX_CHUNK_BYTES = 1 << 30
 def chunk_rows(n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, triton: bool) -> int:
     """Rows of logits per chunk (see the module docstring)."""
     itemsize = (dtype if triton else _ce.compute_dtype(dtype)).itemsize
-    rows = max(hidden // itemsize, MIN_CHUNK_ROWS)
+    rows = max(4 * hidden // itemsize, MIN_CHUNK_ROWS)
     rows = max(1, min(rows, MAX_CHUNK_BYTES // max(vocab * itemsize, 1)))
     rows = 1 << (rows.bit_length() - 1)
     return max(1, min(rows, n_rows))
@@ -172,9 +173,10 @@ def forward_core(input, weight, target, bias, ce_weight, opts: Options, dtype, a
     for start, stop, logits in _chunks(x, w, b):
         rows_t = t[start:stop]
         out = (lse[start:stop], ce[start:stop], z[start:stop], None if pred is None else pred[start:stop])
-        _ce.row_stats(logits, rows_t, ce_weight, weight_total, opts, pred is not None, out=out)
-        if grads_now:
-            _ce.row_grad(logits, rows_t, ce_weight, weight_total, lse[start:stop], *scales, opts, grad=logits)
+        if not grads_now:
+            _ce.row_stats(logits, rows_t, ce_weight, weight_total, opts, pred is not None, out=out)
+        else:
+            _ce.row_stats_and_grad(logits, rows_t, ce_weight, weight_total, opts, pred is not None, *scales, out=out)
             _accumulate(logits, x[start:stop], w, None if grad_x is None else grad_x[start:stop], grad_w, grad_b)
     loss, z_loss, accuracy = _ce.reduce_rows(ce, z, pred, t, ce_weight, opts, want_accuracy, target.shape)
     return (loss, z_loss, accuracy, pred, lse,
@@ -221,8 +223,9 @@ def _forward(ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dty
     ctx.args = (opts, dtype, accum_dtype, needs)
     if opts.reduction == "none":
         ctx.save_for_backward(input, weight, target, bias, ce_weight, lse)
-    else:
-        ctx.grads = grads
+    else:  # saved, so that autograd drops them after a backward that does not retain the graph
+        ctx.save_for_backward(*grads)
+        ctx.scale, ctx.in_place = None, not _saved_tensor_hooks_active()
     return loss, z_loss, accuracy, pred
 
 
@@ -235,16 +238,25 @@ def _backward(ctx, d_loss):
         with _no_autocast(input.device.type):
             return backward_rows_core(d_loss, input, weight, target, bias, ce_weight, lse, opts, dtype, accum_dtype,
                                       needs)  # fmt: skip
-    if ctx.grads is None:
-        raise RuntimeError(
-            f"{OP}: this loss was already backpropagated; its gradients are computed in forward and handed to the "
-            "first backward, so backward(retain_graph=True) twice through it is not supported: compute it again"
-        )
-    grads, ctx.grads = ctx.grads, None
-    for grad in grads:
-        if grad is not None:
-            grad.mul_(d_loss)  # buffers this op allocated and nothing else holds
-    return tuple(grads)
+    grads = ctx.saved_tensors  # raises if a handed-over buffer was modified since (accumulated into as .grad)
+    if not ctx.in_place:  # saved-tensor hooks (offloading, checkpointing) hand back copies: scale out of place
+        return tuple(None if g is None else g * d_loss for g in grads)
+    if ctx.scale is None:
+        # The first backward scales the buffers in place and hands them over; their version is kept, so that a
+        # later backward through a retained graph can still read them and rescale.
+        for grad in grads:
+            if grad is not None:
+                with torch.autograd._unsafe_preserve_version_counter(grad):
+                    grad.mul_(d_loss)
+        ctx.scale = d_loss.detach().clone()
+        return tuple(grads)
+    ratio = d_loss / ctx.scale
+    return tuple(None if g is None else g * ratio for g in grads)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 class _EagerFunction(torch.autograd.Function):
@@ -363,7 +375,7 @@ def _(d_loss, input, weight, target, bias, ce_weight, lse, *args):
 
 def _op_setup_context(ctx, inputs, output):
     input, weight, target, bias, ce_weight, *scalars = inputs
-    ctx.scalars = scalars
+    ctx.scalars = scalars[:8] + scalars[-3:]  # the backward op's: all but want_pred, want_accuracy
     ctx.reduction = scalars[3]
     ctx.needs = scalars[-3:]
     if ctx.reduction == "none":
@@ -387,7 +399,7 @@ torch.library.register_autograd(_forward_op, _op_backward, setup_context=_op_set
 
 def _apply(input, weight, target, bias, ce_weight, opts: Options, dtype, accum_dtype, want_pred, want_accuracy):
     """(loss, z_loss, token_accuracy, pred) with autograd, for validated inputs."""
-    if torch.compiler.is_exporting() or _ce.is_functorch(input, weight, bias):
+    if torch.compiler.is_exporting():
         return composite(input, weight, target, bias, ce_weight, opts, want_pred, want_accuracy)
     if torch.compiler.is_compiling():
         grad_on = torch.is_grad_enabled()
@@ -395,7 +407,14 @@ def _apply(input, weight, target, bias, ce_weight, opts: Options, dtype, accum_d
                  grad_on and bias is not None and bias.requires_grad)  # fmt: skip
         loss, z_loss, accuracy, pred, *_ = _forward_op(input, weight, target, bias, ce_weight, *opts, dtype,
                                                        accum_dtype, want_pred, want_accuracy, *needs)  # fmt: skip
-        return loss, z_loss, accuracy, pred
+        return loss, z_loss.detach(), accuracy.detach(), pred
+    if _ce.is_functorch(input, weight, bias):
+        return composite(input, weight, target, bias, ce_weight, opts, want_pred, want_accuracy)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (input, weight, bias)):
+        with _no_autocast(input.device.type):  # no gradient wanted: the loss alone, no autograd node
+            results = forward_core(input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred,
+                                   want_accuracy, (False, False, False))  # fmt: skip
+        return results[:4]
     return _EagerFunction.apply(input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred,
                                 want_accuracy)  # fmt: skip
 
