@@ -2,6 +2,8 @@
 kernelize layer as transformers' mapping uses it, and causal_lm_loss on stock transformers models (padding,
 num_items_in_batch, shift_labels, gradient checkpointing, tied embeddings, final-logit softcapping, DDP)."""
 
+import copy
+
 import kernels
 import pytest
 import torch
@@ -217,3 +219,28 @@ def test_ddp_two_ranks_equal_single_process(variant_root, tmp_path):
     results = launch(ddp_fused_loss, 2, variant_root, {}, tmp_path, timeout_s=60)
     for result in results:
         assert result["missing"] == [] and result["grad_diff"] < 1e-12, result
+
+
+@pytest.mark.gpu
+def test_cuda_causal_lm_loss_bf16_llama(lk):
+    """A bf16 Llama on the GPU (Triton kernels): causal_lm_loss's loss and gradients no worse than the model's
+    own bf16 loss, both against the float64 model."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+    model64 = LlamaForCausalLM(config).double().cuda()
+    model = copy.deepcopy(model64).to(torch.bfloat16)
+    ids = torch.randint(0, 32000, (4, 1024), device="cuda")
+    labels = ids.clone()
+    labels[:, :100] = -100
+    want = model64(input_ids=ids, labels=labels).loss
+    want_grads = grads_of(model64, want)
+    eager = model(input_ids=ids, labels=labels).loss
+    eager_grads = grads_of(model, eager)
+    got = lk.causal_lm_loss(model, ids, labels)
+    got_grads = grads_of(model, got)
+    assert rel_err(got, want) <= 1.5 * rel_err(eager, want) + 1e-6
+    head = next(i for i, p in enumerate(model.parameters()) if p is model.lm_head.weight)
+    assert rel_err(got_grads[head], want_grads[head]) <= 1.5 * rel_err(eager_grads[head], want_grads[head]) + 1e-6
+    total = sum(rel_err(g, w) for g, w in zip(got_grads, want_grads))
+    assert total <= 1.5 * sum(rel_err(g, w) for g, w in zip(eager_grads, want_grads)) + 1e-6

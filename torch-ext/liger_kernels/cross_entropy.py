@@ -192,7 +192,7 @@ def _ce_stats_kernel(
             weight_total = tl.load(weight_total_ptr).to(tl.float32)
         else:
             w_y = 1.0
-            weight_total = n_cols.to(tl.float32)
+            weight_total = n_cols * 1.0  # (not .to: Triton passes n_cols = 1 as a constexpr)
         ce = w_y * nll
         if SMOOTHING:
             # sum_j w_j (lse - s_j) = W (lse - s_y) - sum_j w_j (s_j - s_y): centred on s_y, no large cancellation
@@ -243,7 +243,7 @@ def _ce_grad_kernel(
             weight_total = tl.load(weight_total_ptr).to(tl.float32)
         else:
             w_y = 1.0
-            weight_total = n_cols.to(tl.float32)
+            weight_total = n_cols * 1.0  # (not .to: Triton passes n_cols = 1 as a constexpr)
         eps = label_smoothing / n_cols
         coef_p = a * ((1.0 - label_smoothing) * w_y + eps * weight_total)
         if Z_LOSS:
