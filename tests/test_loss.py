@@ -244,3 +244,30 @@ def test_cuda_causal_lm_loss_bf16_llama(lk):
     assert rel_err(got_grads[head], want_grads[head]) <= 1.5 * rel_err(eager_grads[head], want_grads[head]) + 1e-6
     total = sum(rel_err(g, w) for g, w in zip(got_grads, want_grads))
     assert total <= 1.5 * sum(rel_err(g, w) for g, w in zip(eager_grads, want_grads)) + 1e-6
+
+
+def test_loss_compiles_without_graph_break(lk):
+    """Both paths of the loss (what the kernelized layer runs under Mode.TORCH_COMPILE) trace as one graph and
+    compiled equals eager."""
+    torch._dynamo.reset()
+    labels = batch()
+    logits = torch.randn(B, S, V, requires_grad=True)
+    hidden, weight = torch.randn(B, S, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+
+    def both(logits, hidden, weight):
+        from_logits = lk.LigerForCausalLMLoss(logits, labels, V)
+        fused = lk.LigerForCausalLMLoss(None, labels, V, num_items_in_batch=torch.tensor(7), hidden_states=hidden,
+                                        lm_head_weight=weight, final_logit_softcapping=3.0)  # fmt: skip
+        return from_logits + fused
+
+    explained = torch._dynamo.explain(both)(logits, hidden, weight)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    got = torch.compile(both, backend="aot_eager")(logits, hidden, weight)
+    want = both(logits, hidden, weight)
+    got_grads = torch.autograd.grad(got, (logits, hidden, weight))
+    want_grads = torch.autograd.grad(want, (logits, hidden, weight))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-8)
+    torch._dynamo.reset()

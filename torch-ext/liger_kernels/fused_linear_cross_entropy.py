@@ -8,15 +8,16 @@ the chunk's rows of the input gradient and add its share of the weight (and bias
 in fp32 (or ``accum_dtype``). Peak memory beyond the inputs: one chunk of logits, the gradients, the
 accumulator.
 
-Chunk rows (:func:`chunk_rows`): ``H / itemsize`` rounded down to a power of two, so that a chunk's logits take
-about ``V * H`` bytes: half a bf16 weight, a quarter of the fp32 weight-gradient accumulator held anyway. At
-least 32 rows (GEMM efficiency), at most 1 GiB of logits, at most N. On the PyTorch path the itemsize is that
-of the fp32/fp64 compute dtype, since its temporaries are in that dtype. (N = 32768, H = 4096, V = 128256 in
-bf16: 2048 rows, 16 chunks of 501 MiB.)
+Chunk rows (:func:`chunk_rows`): ``4 H / itemsize`` rounded down to a power of two, so that a chunk's logits
+take about ``4 V H`` bytes, the size of the fp32 weight-gradient accumulator the op holds anyway: the logits
+never cost more memory than the weight gradient. At least 32 rows (GEMM efficiency), at most 1 GiB of logits,
+at most N. On the PyTorch path the itemsize is that of the fp32/fp64 compute dtype, its temporaries' dtype.
+(N = 32768, H = 4096, V = 128256 in bf16: 4096 rows, 8 chunks of 1002 MiB; peak beyond the inputs: the fp32
+accumulator, one chunk and the input gradient, 3.2 GiB, where the logits alone would take 7.8 GiB.)
 
 Gradients are computed in forward for "mean" and "sum"; backward scales them by the incoming gradient in
-place and hands them over (a later backward through a retained graph rescales them; if they were modified in
-between, e.g. accumulated into as ``.grad``, autograd's in-place check raises). For "none" the incoming
+place and hands them over (a later backward through a retained graph rescales them; if a returned gradient
+was modified in place in between, autograd's in-place check raises). For "none" the incoming
 gradient is per row and must weight each row before the rows are summed into the weight gradient, so forward
 keeps the row logsumexps and backward recomputes the chunks' logits.
 
