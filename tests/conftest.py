@@ -80,7 +80,8 @@ def poisoned_outputs(lk):
     original = lk._backend.new_tensor
 
     def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min  # integer outputs: a sentinel
+        return torch.full(shape, fill, dtype=dtype, device=device)
 
     lk._backend.new_tensor = poisoned
     try:

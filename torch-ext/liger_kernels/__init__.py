@@ -1,22 +1,58 @@
-"""liger-kernels: fused Triton SwiGLU/GeGLU, the tiled MLP, and layers for ``kernels.kernelize``.
+"""liger-kernels: fused Triton kernels for long-sequence LLM training, and layers for ``kernels.kernelize``.
 
 Loaded as ``kernels.get_kernel("kernels-community/liger-kernels", version=3)``; the loader imports this
 package under its own name, so everything here is imported relatively.
+
+Reading order for a newcomer:
+  _backend.py            the one place that decides Triton or PyTorch for a tensor
+  activations.py         the gated activations' registry (math for Triton and PyTorch, references, host names)
+  _gated.py              the gated kernels, their PyTorch path and autograd contract; swiglu.py, geglu.py
+                         are its public faces
+  rms_norm.py, rotary.py, cross_entropy.py, fused_linear_cross_entropy.py, loss.py: the other kernels
+  _hosts.py, gated_mlp.py   what a host module computes, and the gated MLP math the layers run
+  tiled_mlp.py           the tiled MLP (with _tiling, _replay, _tiled_gated, _grad_sums beside it)
+  layers.py, mapping.py  the kernelize layers and the mapping that names them
 """
 
-from . import activations, geglu, layers, mapping, rotary, swiglu, tiled_mlp
+from . import (
+    activations,
+    cross_entropy,
+    fused_linear_cross_entropy,
+    geglu,
+    layers,
+    loss,
+    mapping,
+    rotary,
+    swiglu,
+    tiled_mlp,
+)
 from ._gated import gated_mul
+from .cross_entropy import CrossEntropyOutput
+from .fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction, liger_fused_linear_cross_entropy
 from .geglu import LigerGELUMulFunction, gelu_mul
+from .layers import (
+    LigerForCausalLMLossLayer,
+    LigerGEGLUMLP,
+    LigerLinear,
+    LigerSwiGLUMLP,
+    LigerTiledGEGLUMLP,
+    LigerTiledSwiGLUMLP,
+    liger_rotary_pos_emb_layer,
+)
+from .loss import CausalLMWithFusedLoss, LigerForCausalLMLoss, causal_lm_loss
 from .mapping import kernel_mapping, register_kernel_mapping
-from .layers import LigerGEGLUMLP, LigerLinear, LigerSwiGLUMLP, LigerTiledGEGLUMLP, LigerTiledSwiGLUMLP
+from .rotary import liger_rotary_pos_emb
 from .swiglu import LigerSiLUMulFunction, silu_mul
 from .tiled_mlp import LigerTiledMLPFunction, apply_tiled_mlp
-from .rotary import liger_rotary_pos_emb
-from .layers import liger_rotary_pos_emb_layer
 
 __all__ = [
-    "LigerGELUMulFunction",
+    "CausalLMWithFusedLoss",
+    "CrossEntropyOutput",
+    "LigerForCausalLMLoss",
+    "LigerForCausalLMLossLayer",
+    "LigerFusedLinearCrossEntropyFunction",
     "LigerGEGLUMLP",
+    "LigerGELUMulFunction",
     "LigerLinear",
     "LigerSiLUMulFunction",
     "LigerSwiGLUMLP",
@@ -25,17 +61,22 @@ __all__ = [
     "LigerTiledSwiGLUMLP",
     "activations",
     "apply_tiled_mlp",
+    "causal_lm_loss",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
     "gated_mul",
+    "geglu",
     "gelu_mul",
     "kernel_mapping",
+    "layers",
+    "liger_fused_linear_cross_entropy",
+    "liger_rotary_pos_emb",
+    "liger_rotary_pos_emb_layer",
+    "loss",
     "mapping",
     "register_kernel_mapping",
-    "geglu",
-    "layers",
+    "rotary",
     "silu_mul",
     "swiglu",
     "tiled_mlp",
-    "liger_rotary_pos_emb",
-    "liger_rotary_pos_emb_layer",
-    "rotary",
 ]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import loss as _loss
 from .gated_mlp import geglu_mlp, swiglu_mlp
 from .rotary import liger_rotary_pos_emb  # also here, as in the published package
 from .tiled_mlp import apply_tiled_mlp
@@ -101,3 +102,22 @@ class liger_rotary_pos_emb_layer(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
         return liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The causal-LM loss. transformers maps "ForCausalLMLoss" (its loss function, made a layer by
+# ``use_kernel_forward_from_hub``) to this layer; kernels checks that the forward has the function's
+# parameters, so the fused path's hidden_states / lm_head_weight / lm_head_bias arrive through ``kwargs``.
+
+
+class LigerForCausalLMLossLayer(nn.Module):
+    """transformers' ``ForCausalLMLoss``, computed by :func:`loss.LigerForCausalLMLoss`: from the logits, or
+    fused with the LM head when ``hidden_states`` and ``lm_head_weight`` are passed."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                **kwargs):  # fmt: skip
+        return _loss.LigerForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                                          shift_labels, **kwargs)  # fmt: skip

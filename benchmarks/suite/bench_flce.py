@@ -1,0 +1,233 @@
+"""Fused linear cross-entropy on the GPU: a Llama-3-8B head (N = 32768 tokens, H = 4096, V = 128256, bf16, mean
+over the non-ignored tokens), forward and forward + backward, for this package, eager PyTorch
+(``F.cross_entropy((x @ W.T).float(), target)``), torch.compile of that, and the peer liger-kernel 0.8.5's
+``LigerFusedLinearCrossEntropyLoss`` when its wheel is importable.
+
+    python benchmarks/suite/bench_flce.py --out flce.json [--tokens 32768]
+
+Per variant:
+- ``*_graph_ms``: GPU time per call from CUDA-graph replays of 20 captured calls (no host cost). A variant
+  that synchronizes with the host (the peer reads the token count with ``.item()``) cannot be captured: None.
+- ``*_launch_ms``: ``triton.testing.do_bench`` of back-to-back calls (host cost included).
+- ``*_host_us``: CPU wall time per call on tiny inputs (N 64, H 64, V 256), 300 calls after 50 warm-up.
+- ``peak_gib``: peak memory allocated during forward + backward beyond what was allocated before (the
+  gradients of x and W included), and ``tflops``: the three GEMMs (6 N H V flops) per fwd+bwd graph time.
+The ceilings measured in the same run: a 1 GiB device copy (bytes/s) and a bf16 8192^3 GEMM (TFLOP/s).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
+import liger_kernels as lk
+
+N, H, V = 32768, 4096, 128256
+GRAPH_CALLS = 20
+TINY = (64, 64, 256)
+
+
+def synchronizes(fn) -> bool:
+    """True when ``fn`` waits for the GPU somewhere (``.item()``, ...): such a call cannot be captured."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return False
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+def graph_ms(fn, replays=3, warm_replays=1):
+    """Median GPU time of one ``fn()`` from CUDA-graph replays of GRAPH_CALLS calls, captured on a side stream
+    so that autograd's backward is captured too; None when ``fn`` synchronizes with the host."""
+    fn()  # compilation, autotuning
+    torch.cuda.synchronize()
+    if synchronizes(fn):
+        print("    (synchronizes with the host: no CUDA-graph timing)")
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(GRAPH_CALLS):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for _ in range(warm_replays):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / GRAPH_CALLS)
+    del graph
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def copy_bytes_per_s():
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def gemm_tflops():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ a, warmup=20, rep=200, return_mode="median")
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def eager(x, weight, target):
+    return F.cross_entropy((x @ weight.T).float(), target)
+
+
+def variants():
+    """{name: loss(x, weight, target)}."""
+    found = {
+        "liger-kernels": lambda x, w, t: lk.liger_fused_linear_cross_entropy(x, w, t),
+        "eager": eager,
+        "torch.compile": torch.compile(eager),
+    }
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        peer = LigerFusedLinearCrossEntropyLoss()
+        found["liger-kernel 0.8.5"] = lambda x, w, t: peer(w, x, t)
+    except ImportError as error:
+        print(f"(peer liger-kernel not importable: {error})")
+    return found
+
+
+def inputs(n, hidden, vocab):
+    torch.manual_seed(0)
+    x = (torch.randn(n, hidden, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, vocab, (n,), device="cuda")
+    target[::8] = -100
+    return x, weight, target
+
+
+def host_us(loss_fn, backward):
+    x, weight, target = inputs(*TINY)
+
+    def call():
+        loss = loss_fn(x, weight, target)
+        if backward:
+            torch.autograd.grad(loss, (x, weight))
+
+    for _ in range(50):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(300):
+        call()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / 300 * 1e6
+
+
+def measure(loss_fn, n, hidden, vocab):
+    x, weight, target = inputs(n, hidden, vocab)
+
+    def forward():
+        return loss_fn(x, weight, target)
+
+    def forward_backward():
+        return torch.autograd.grad(loss_fn(x, weight, target), (x, weight))
+
+    row = {}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    grads = forward_backward()
+    torch.cuda.synchronize()
+    row["peak_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
+    del grads
+    torch.cuda.empty_cache()
+    row["fwd_graph_ms"] = graph_ms(forward)
+    torch.cuda.empty_cache()
+    row["fwdbwd_graph_ms"] = graph_ms(forward_backward)
+    torch.cuda.empty_cache()
+    row["fwd_launch_ms"] = do_bench(forward, warmup=2, rep=1000, return_mode="median")
+    row["fwdbwd_launch_ms"] = do_bench(forward_backward, warmup=2, rep=2000, return_mode="median")
+    best = row["fwdbwd_graph_ms"] or row["fwdbwd_launch_ms"]
+    row["tflops"] = 6 * n * hidden * vocab / (best * 1e-3) / 1e12
+    row["fwd_host_us"] = host_us(loss_fn, backward=False)
+    row["fwdbwd_host_us"] = host_us(loss_fn, backward=True)
+    return row
+
+
+def run(copy_bytes_per_s: float, n: int = N, hidden: int = H, vocab: int = V) -> list:
+    """One row per variant: op, shape, variant, timings (ms), host cost (us), peak GiB, TFLOP/s and the share
+    of the measured bf16 GEMM peak. (The op is GEMM-bound: the copy ceiling is recorded, not divided by.)"""
+    peak = gemm_tflops()
+    rows = []
+    for name, loss_fn in variants().items():
+        print(f"  {name} ...", flush=True)
+        try:
+            row = measure(loss_fn, n, hidden, vocab)
+        except Exception as error:  # noqa: BLE001  (one variant failing, e.g. out of memory, keeps the others)
+            print(f"  {name}: failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            rows.append({"op": "flce", "shape": [n, hidden, vocab], "variant": name, "error": repr(error)[:500]})
+            torch.cuda.empty_cache()
+            continue
+        row.update(op="flce", shape=[n, hidden, vocab], variant=name, gemm_tflops=peak,
+                   pct_gemm=100 * row["tflops"] / peak, copy_bytes_per_s=copy_bytes_per_s)  # fmt: skip
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows) -> str:
+    def fmt(value, spec):
+        return "–" if value is None else format(value, spec)
+
+    lines = [
+        "| variant | fwd ms (graph / launch) | fwd+bwd ms (graph / launch) | host us fwd / fwd+bwd | peak GiB | TFLOP/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error'][:60]} | | | | |")
+            continue
+        lines.append(
+            f"| {r['variant']} | {fmt(r['fwd_graph_ms'], '.1f')} / {r['fwd_launch_ms']:.1f} "
+            f"| {fmt(r['fwdbwd_graph_ms'], '.1f')} / {r['fwdbwd_launch_ms']:.1f} "
+            f"| {r['fwd_host_us']:.0f} / {r['fwdbwd_host_us']:.0f} | {r['peak_gib']:.2f} | {r['tflops']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--tokens", type=int, default=N)
+    args = parser.parse_args()
+    ceiling = copy_bytes_per_s()
+    print(f"{torch.cuda.get_device_name()}: copy {ceiling / 1e12:.2f} TB/s; FLCE N {args.tokens}, H {H}, V {V}, bf16")
+    rows = run(ceiling, n=args.tokens)
+    print(table(rows))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,707 @@
+"""Cross-entropy over rows of logits: the per-row math that the fused linear cross-entropy runs on each chunk
+of logits, and a cross-entropy on given logits (the causal-LM loss uses it when it has no hidden states).
+
+Per row ``i`` with target ``y`` (ignored rows contribute nothing), ``s = softcap(x) = c tanh(x / c)`` (or
+``s = x``), ``lse = logsumexp(s)``, class weights ``w`` (ones without ``ce_weight``), ``W = sum_j w_j``,
+smoothing ``ls`` over ``V`` classes:
+
+    ce_i = (1 - ls) w_y (lse - s_y) + (ls / V) sum_j w_j (lse - s_j)      # F.cross_entropy's, per row
+    z_i  = lse_square_scale * lse^2                                       # the z-loss (PaLM)
+
+With ``use_token_scaling`` both are multiplied by ``p_y = exp(s_y - lse)``, held constant in the gradient.
+Reductions: "sum" adds the rows; "mean" divides the ce rows by the summed target weights ``sum_i w_{y_i}``
+(the count of non-ignored rows without ``ce_weight``), as PyTorch does, and the z rows by the count; "none"
+keeps rows (ignored rows 0). An all-ignored batch gives 0 / 0 = nan for "mean", as PyTorch.
+
+The gradient of row ``i`` with respect to ``s_j``, with ``a`` the scale of the ce rows (1/sum of weights for
+"mean", 1 for "sum", the incoming gradient for "none") and ``b`` that of the z rows:
+
+    a [((1 - ls) w_y + (ls / V) W) p_j - (ls / V) w_j - [j = y] (1 - ls) w_y] + b 2 lse_square_scale lse p_j
+
+times ``1 - tanh^2(x_j / c)`` for the softcap. The target term is folded in fp32 before the one rounding, so
+``p_y - 1`` near 0 loses nothing to the output dtype.
+
+Two Triton kernels, one program per row, loop over the vocabulary in blocks: ``_ce_stats_kernel`` (online
+logsumexp, the loss rows, the argmax) and ``_ce_grad_kernel`` (the gradient, given lse). The gradient may be
+written over the logits it reads (each program reads its row's target logit before writing any of it).
+"""
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import _backend
+from ._backend import constexpr, jit, tl, triton, use_triton
+
+REDUCTIONS = ("mean", "sum", "none")
+MAX_BLOCK = 4096  # vocabulary columns per loop step: 16 per thread at 8 warps
+NUM_WARPS = 8
+_LOG2E = constexpr(math.log2(math.e))
+
+
+class Options(NamedTuple):
+    ignore_index: int = -100
+    lse_square_scale: float = 0.0
+    label_smoothing: float = 0.0
+    reduction: str = "mean"
+    softcap: float | None = None
+    use_token_scaling: bool = False
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation (shared with the fused linear cross-entropy): every check runs before any launch.
+
+
+def check_tensor(value, arg: str, op: str, floating: bool = True) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: `{arg}` must be a torch.Tensor, got {type(value).__name__}")
+    if floating and value.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"{op}: `{arg}` must be float16, bfloat16, float32 or float64, got {value.dtype}")
+    return value
+
+
+def check_target(target, rows_shape, n_classes: int, ignore_index: int, op: str) -> torch.Tensor:
+    """``target`` of shape ``rows_shape``, integer; on the CPU its values are checked too (free there; on a
+    device that would cost a synchronization, so the kernels make an out-of-range target's loss NaN)."""
+    check_tensor(target, "target", op, floating=False)
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"{op}: `target` must hold integer class indices, got {target.dtype}")
+    if tuple(target.shape) != tuple(rows_shape):
+        raise ValueError(f"{op}: `target` must have shape {tuple(rows_shape)}, got {tuple(target.shape)}")
+    if target.device.type == "cpu" and target.numel() > 0 and not torch.compiler.is_compiling():
+        kept = target[target != ignore_index]
+        if kept.numel() > 0 and (int(kept.min()) < 0 or int(kept.max()) >= n_classes):
+            raise ValueError(
+                f"{op}: `target` values must be in [0, {n_classes}) or ignore_index={ignore_index}, got values in "
+                f"[{int(kept.min())}, {int(kept.max())}]"
+            )
+    return target
+
+
+def check_options(op: str, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"{op}: `ignore_index` must be an int, got {type(ignore_index).__name__}")
+    for arg, value in (("lse_square_scale", lse_square_scale), ("label_smoothing", label_smoothing)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise TypeError(f"{op}: `{arg}` must be a finite real number, got {value!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: `label_smoothing` must be in [0, 1], got {label_smoothing}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: `reduction` must be one of {REDUCTIONS}, got {reduction!r}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not softcap > 0:
+            raise ValueError(f"{op}: `softcap` must be None or a positive number, got {softcap!r}")
+        softcap = float(softcap)
+    if not isinstance(use_token_scaling, bool):
+        raise TypeError(f"{op}: `use_token_scaling` must be a bool, got {type(use_token_scaling).__name__}")
+    return Options(int(ignore_index), float(lse_square_scale), float(label_smoothing), reduction, softcap,
+                   use_token_scaling)  # fmt: skip
+
+
+def check_class_weight(ce_weight, n_classes: int, device, op: str):
+    if ce_weight is None:
+        return None
+    check_tensor(ce_weight, "ce_weight", op)
+    if tuple(ce_weight.shape) != (n_classes,):
+        raise ValueError(f"{op}: `ce_weight` must have shape ({n_classes},), got {tuple(ce_weight.shape)}")
+    if ce_weight.device != device:
+        raise ValueError(f"{op}: `ce_weight` must be on {device}, got {ce_weight.device}")
+    if ce_weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{op}: `ce_weight` gets no gradient (as in F.cross_entropy); pass it detached")
+    return ce_weight
+
+
+def check_flag(value, arg: str, op: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: `{arg}` must be a bool, got {type(value).__name__}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels. One program per row; int64 row offsets (rows * vocabulary exceeds 2**31).
+
+
+@jit
+def _tanh(z):
+    # tanh(|z|) = (1 - e) / (1 + e) with e = exp(-2 |z|) <= 1: finite for every z.
+    e = tl.exp2(-2.0 * _LOG2E * tl.abs(z))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(z < 0, -t, t)
+
+
+@jit
+def _capped(x, softcap, SOFTCAP: constexpr):
+    if SOFTCAP:
+        x = softcap * _tanh(x / softcap)
+    return x
+
+
+@jit
+def _ce_stats_kernel(
+    logits_ptr, logits_row_stride, target_ptr, ce_weight_ptr, weight_total_ptr,
+    lse_ptr, ce_ptr, z_ptr, pred_ptr,
+    n_cols, ignore_index, lse_square_scale, label_smoothing, softcap,
+    HAS_CE_WEIGHT: constexpr, SOFTCAP: constexpr, SMOOTHING: constexpr, TOKEN_SCALING: constexpr,
+    STORE_PRED: constexpr, BLOCK: constexpr, N_BLOCKS: constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    y = tl.load(target_ptr + row).to(tl.int64)
+    if y == ignore_index:
+        tl.store(lse_ptr + row, 0.0)
+        tl.store(ce_ptr + row, 0.0)
+        tl.store(z_ptr + row, 0.0)
+        if STORE_PRED:
+            tl.store(pred_ptr + row, -1)
+    else:
+        in_range = (y >= 0) & (y < n_cols)
+        y_safe = tl.where(in_range, y, 0)
+        row_ptr = logits_ptr + row * logits_row_stride
+        s_y = _capped(tl.load(row_ptr + y_safe).to(tl.float32), softcap, SOFTCAP)
+        m = float("-inf")  # running max of s
+        d = 0.0  # running sum of exp(s - m)
+        spread = 0.0  # sum_j w_j (s_j - s_y), for the smoothing term
+        best = float("-inf")  # argmax of the raw logits (the softcap is monotone, and saturates in fp32)
+        best_col = 0
+        for block in range(N_BLOCKS):
+            start = block * BLOCK
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            if STORE_PRED:
+                block_best = tl.max(x, axis=0)
+                block_col = start + tl.argmax(x, axis=0, tie_break_left=True)
+                best_col = tl.where(block_best > best, block_col, best_col)
+                best = tl.maximum(best, block_best)
+            s = tl.where(mask, _capped(x, softcap, SOFTCAP), float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            d = d * tl.exp2((m - m_new) * _LOG2E) + tl.sum(tl.exp2((s - m_new) * _LOG2E), axis=0)
+            m = m_new
+            if SMOOTHING:
+                centered = tl.where(mask, s - s_y, 0.0)
+                if HAS_CE_WEIGHT:
+                    w = tl.load(ce_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                    centered = centered * w
+                spread += tl.sum(centered, axis=0)
+        lse = m + tl.log(d)
+        nll = lse - s_y
+        if HAS_CE_WEIGHT:
+            w_y = tl.load(ce_weight_ptr + y_safe).to(tl.float32)
+            weight_total = tl.load(weight_total_ptr).to(tl.float32)
+        else:
+            w_y = 1.0
+            weight_total = n_cols * 1.0  # (not .to: Triton passes n_cols = 1 as a constexpr)
+        ce = w_y * nll
+        if SMOOTHING:
+            # sum_j w_j (lse - s_j) = W (lse - s_y) - sum_j w_j (s_j - s_y): centred on s_y, no large cancellation
+            ce = (1.0 - label_smoothing) * ce + (label_smoothing / n_cols) * (weight_total * nll - spread)
+        z = lse_square_scale * lse * lse
+        if TOKEN_SCALING:
+            p_y = tl.exp2((s_y - lse) * _LOG2E)
+            ce = ce * p_y
+            z = z * p_y
+        ce = tl.where(in_range, ce, float("nan"))
+        tl.store(lse_ptr + row, lse)
+        tl.store(ce_ptr + row, ce)
+        tl.store(z_ptr + row, z)
+        if STORE_PRED:
+            tl.store(pred_ptr + row, best_col.to(tl.int64))
+
+
+@jit
+def _ce_grad_kernel(
+    logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, target_ptr, ce_weight_ptr, weight_total_ptr,
+    lse_ptr, ce_scale_ptr, ce_scale_stride, z_scale_ptr, z_scale_stride,
+    n_cols, ignore_index, lse_square_scale, label_smoothing, softcap,
+    HAS_CE_WEIGHT: constexpr, SOFTCAP: constexpr, SMOOTHING: constexpr, Z_LOSS: constexpr,
+    TOKEN_SCALING: constexpr, BLOCK: constexpr, N_BLOCKS: constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    y = tl.load(target_ptr + row).to(tl.int64)
+    row_ptr = logits_ptr + row * logits_row_stride
+    grad_row_ptr = grad_ptr + row * grad_row_stride
+    if y == ignore_index:
+        for block in range(N_BLOCKS):
+            start = block * BLOCK
+            cols = start + tl.arange(0, BLOCK)
+            tl.store(grad_row_ptr + cols, tl.zeros((BLOCK,), tl.float32), mask=cols < n_cols)
+    else:
+        in_range = (y >= 0) & (y < n_cols)
+        y_safe = tl.where(in_range, y, 0)
+        lse = tl.load(lse_ptr + row)
+        a = tl.load(ce_scale_ptr + row * ce_scale_stride).to(tl.float32)
+        b = tl.load(z_scale_ptr + row * z_scale_stride).to(tl.float32)
+        if TOKEN_SCALING:
+            s_y = _capped(tl.load(row_ptr + y_safe).to(tl.float32), softcap, SOFTCAP)
+            p_y = tl.exp2((s_y - lse) * _LOG2E)
+            a = a * p_y
+            b = b * p_y
+        if HAS_CE_WEIGHT:
+            w_y = tl.load(ce_weight_ptr + y_safe).to(tl.float32)
+            weight_total = tl.load(weight_total_ptr).to(tl.float32)
+        else:
+            w_y = 1.0
+            weight_total = n_cols * 1.0  # (not .to: Triton passes n_cols = 1 as a constexpr)
+        eps = label_smoothing / n_cols
+        coef_p = a * ((1.0 - label_smoothing) * w_y + eps * weight_total)
+        if Z_LOSS:
+            coef_p += b * 2.0 * lse_square_scale * lse
+        target_term = a * (1.0 - label_smoothing) * w_y
+        poison = tl.where(in_range, 0.0, float("nan"))
+        for block in range(N_BLOCKS):
+            start = block * BLOCK
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            s = _capped(x, softcap, SOFTCAP)
+            g = coef_p * tl.exp2((s - lse) * _LOG2E)
+            if SMOOTHING:
+                if HAS_CE_WEIGHT:
+                    w = tl.load(ce_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                    g -= a * eps * w
+                else:
+                    g -= a * eps
+            g = tl.where(cols == y_safe, g - target_term, g)
+            if SOFTCAP:
+                t = s / softcap
+                g = g * (1.0 - t * t)
+            tl.store(grad_row_ptr + cols, (g + poison).to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _row_stride(scale: torch.Tensor) -> int:
+    return scale.stride(0) if scale.numel() > 1 else 0  # one element: the same scale for every row
+
+
+def _blocks(n_cols: int) -> dict:
+    # The trip count is a constexpr (one compilation per vocabulary size): Triton's interpreter cannot loop
+    # over a runtime bound.
+    block = min(MAX_BLOCK, triton.next_power_of_2(max(n_cols, 1)))
+    return {"BLOCK": block, "N_BLOCKS": triton.cdiv(n_cols, block)}
+
+
+def _stats_triton(logits, target, ce_weight, weight_total, opts: Options, lse, ce, z, pred):
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    dummy = lse  # stands in for absent pointers: never dereferenced when the flag is off
+    _ce_stats_kernel[(n_rows,)](
+        logits, logits.stride(0), target, ce_weight if ce_weight is not None else dummy,
+        weight_total if weight_total is not None else dummy,
+        lse, ce, z, pred if pred is not None else dummy,
+        n_cols, opts.ignore_index, opts.lse_square_scale, opts.label_smoothing, opts.softcap or 1.0,
+        HAS_CE_WEIGHT=ce_weight is not None, SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0,
+        TOKEN_SCALING=opts.use_token_scaling, STORE_PRED=pred is not None, **_blocks(n_cols),
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z_scale, opts: Options):
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    dummy = lse
+    _ce_grad_kernel[(n_rows,)](
+        logits, logits.stride(0), grad, grad.stride(0), target, ce_weight if ce_weight is not None else dummy,
+        weight_total if weight_total is not None else dummy,
+        lse, ce_scale, _row_stride(ce_scale), z_scale, _row_stride(z_scale),
+        n_cols, opts.ignore_index, opts.lse_square_scale, opts.label_smoothing, opts.softcap or 1.0,
+        HAS_CE_WEIGHT=ce_weight is not None, SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0,
+        Z_LOSS=opts.lse_square_scale != 0.0, TOKEN_SCALING=opts.use_token_scaling, **_blocks(n_cols),
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PyTorch path: the same math in fp32 (fp64 for fp64 logits). ``rows_torch`` is differentiable, so the
+# composite (torch.func, torch.export) is the same code; the gradient functions work in place on V-wide
+# tensors (a chunk of a fused call may be a few hundred MiB on the CPU).
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _row_targets(target, n_cols: int, ignore_index: int):
+    kept = target != ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    return kept, in_range, torch.where(kept & in_range, target, 0)
+
+
+def _softcap_torch(x, opts: Options):
+    """(s, t): the softcapped logits and tanh(x / softcap) (None without softcap)."""
+    if opts.softcap is None:
+        return x, None
+    t = torch.tanh(x / opts.softcap)
+    return t * opts.softcap, t
+
+
+def rows_torch(logits, target, ce_weight, opts: Options, want_pred: bool):
+    """(lse, ce, z, pred) per row of 2-D ``logits``, as the stats kernel computes them."""
+    n_cols = logits.shape[-1]
+    x = logits.to(compute_dtype(logits.dtype))
+    s, _ = _softcap_torch(x, opts)
+    lse = torch.logsumexp(s, dim=-1)
+    kept, in_range, y = _row_targets(target, n_cols, opts.ignore_index)
+    s_y = s.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    w = ce_weight.to(x.dtype) if ce_weight is not None else None
+    ce, z = _row_losses(_centered_sums(s, s_y, w, opts), s_y, lse, y, w, n_cols, opts)
+    ce = torch.where(kept, torch.where(in_range, ce, float("nan")), 0.0)
+    z = torch.where(kept, z, 0.0)
+    pred = torch.where(kept, x.argmax(-1), -1) if want_pred else None
+    return lse, ce, z, pred
+
+
+def _centered_sums(s, s_y, w, opts: Options):
+    """sum_j w_j (s_j - s_y) per row, for the smoothing term (None without smoothing)."""
+    if opts.label_smoothing == 0:
+        return None
+    centered = s - s_y.unsqueeze(-1)
+    return (centered * w).sum(-1) if w is not None else centered.sum(-1)
+
+
+def _row_losses(centered_sums, s_y, lse, y, w, n_cols: int, opts: Options):
+    nll = lse - s_y
+    ce = nll * w[y] if w is not None else nll
+    if centered_sums is not None:  # sum_j w_j (lse - s_j) = W (lse - s_y) - sum_j w_j (s_j - s_y), as the kernel
+        weight_total = w.sum() if w is not None else n_cols
+        spread = weight_total * nll - centered_sums
+        ce = (1.0 - opts.label_smoothing) * ce + (opts.label_smoothing / n_cols) * spread
+    z = opts.lse_square_scale * lse * lse
+    if opts.use_token_scaling:
+        p_y = torch.exp(s_y - lse).detach()
+        ce, z = ce * p_y, z * p_y
+    return ce, z
+
+
+def _grad_coefficients(s_y, lse, y, kept, in_range, w, n_cols, ce_scale, z_scale, opts: Options):
+    """Per row: (coefficient of p_j, of w_j, at j = y) of the gradient, zero for ignored rows, nan for
+    out-of-range targets."""
+    a, b = ce_scale.to(lse.dtype).expand(lse.shape), z_scale.to(lse.dtype).expand(lse.shape)
+    if opts.use_token_scaling:
+        p_y = torch.exp(s_y - lse)
+        a, b = a * p_y, b * p_y
+    # where, not a product: an all-ignored "mean" has an infinite scale, and its rows must still give 0
+    a = torch.where(kept, torch.where(in_range, a, float("nan")), 0.0)
+    b = torch.where(kept, torch.where(in_range, b, float("nan")), 0.0)
+    w_y = w[y] if w is not None else torch.ones_like(lse)
+    weight_total = w.sum() if w is not None else float(n_cols)
+    eps = opts.label_smoothing / n_cols
+    coef_p = a * ((1.0 - opts.label_smoothing) * w_y + eps * weight_total) + b * 2.0 * opts.lse_square_scale * lse
+    return coef_p, a * eps, a * (1.0 - opts.label_smoothing) * w_y
+
+
+def _finish_grad(g, y, t, w, smooth, target_term, opts: Options):
+    """g holds coef_p * p: subtract the smoothing and target terms, apply the softcap's derivative."""
+    if opts.label_smoothing > 0:
+        g.sub_(smooth.unsqueeze(-1) * (w if w is not None else 1.0))
+    g.scatter_add_(-1, y.unsqueeze(-1), -target_term.unsqueeze(-1))
+    if t is not None:
+        g.mul_(1.0 - t * t)
+    return g
+
+
+def grad_torch(logits, target, ce_weight, lse, ce_scale, z_scale, opts: Options, out=None) -> torch.Tensor:
+    """The gradient kernel's math: d(a * ce + b * z)/d logits per row, in the compute dtype; in ``out`` when
+    it has that dtype (it may be ``logits``)."""
+    n_cols = logits.shape[-1]
+    x = logits.to(compute_dtype(logits.dtype))
+    s, t = _softcap_torch(x, opts)
+    kept, in_range, y = _row_targets(target, n_cols, opts.ignore_index)
+    s_y = s.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    w = ce_weight.to(x.dtype) if ce_weight is not None else None
+    coef_p, smooth, target_term = _grad_coefficients(s_y, lse.to(x.dtype), y, kept, in_range, w, n_cols, ce_scale,
+                                                     z_scale, opts)  # fmt: skip
+    g = out if out is not None and out.dtype == x.dtype else None
+    g = torch.sub(s, lse.to(x.dtype).unsqueeze(-1), out=g).exp_().mul_(coef_p.unsqueeze(-1))
+    return _finish_grad(g, y, t, w, smooth, target_term, opts)
+
+
+def stats_and_grad_torch(logits, target, ce_weight, opts: Options, want_pred, ce_scale, z_scale):
+    """(lse, ce, z, pred) of ``rows_torch`` and the gradient of ``grad_torch``, written over ``logits``,
+    sharing one exponential sweep: p_j = exp(s_j - m) / d."""
+    n_cols = logits.shape[-1]
+    x = logits.to(compute_dtype(logits.dtype))
+    kept, in_range, y = _row_targets(target, n_cols, opts.ignore_index)
+    pred = torch.where(kept, x.argmax(-1), -1) if want_pred else None
+    s, t = _softcap_torch(x, opts)
+    s_y = s.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    w = ce_weight.to(x.dtype) if ce_weight is not None else None
+    m = s.amax(-1, keepdim=True)
+    centered_sums = _centered_sums(s, s_y, w, opts)
+    e = torch.sub(s, m, out=s).exp_()  # s: the logits themselves (fp32/fp64) or a temporary
+    d = e.sum(-1)
+    lse = m.squeeze(-1) + d.log()
+    ce, z = _row_losses(centered_sums, s_y, lse, y, w, n_cols, opts)
+    ce = torch.where(kept, torch.where(in_range, ce, float("nan")), 0.0)
+    z = torch.where(kept, z, 0.0)
+    coef_p, smooth, target_term = _grad_coefficients(s_y, lse, y, kept, in_range, w, n_cols, ce_scale, z_scale, opts)
+    g = _finish_grad(e.mul_((coef_p / d).unsqueeze(-1)), y, t, w, smooth, target_term, opts)
+    if g.data_ptr() != logits.data_ptr():
+        logits.copy_(g)
+    return lse, ce, z, pred
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dispatch for validated 2-D logits and 1-D targets.
+
+
+def row_stats(logits, target, ce_weight, weight_total, opts: Options, want_pred: bool, out=None):
+    """(lse, ce, z, pred) per row, written into ``out`` (four row tensors, pred may be None) when given."""
+    n_rows = logits.shape[0]
+    loss_dtype = compute_dtype(logits.dtype)
+    if out is None:
+        new = _backend.new_tensor
+        out = (
+            new((n_rows,), dtype=loss_dtype, device=logits.device),
+            new((n_rows,), dtype=loss_dtype, device=logits.device),
+            new((n_rows,), dtype=loss_dtype, device=logits.device),
+            new((n_rows,), dtype=torch.int64, device=logits.device) if want_pred else None,
+        )
+    if use_triton(logits):
+        _stats_triton(logits, target, ce_weight, weight_total, opts, *out)
+    else:
+        for dst, src in zip(out, rows_torch(logits, target, ce_weight, opts, want_pred)):
+            if dst is not None:
+                dst.copy_(src)
+    return out
+
+
+def row_grad(logits, target, ce_weight, weight_total, lse, ce_scale, z_scale, opts: Options, grad=None):
+    """The gradient of ``ce_scale * ce + z_scale * z`` with respect to ``logits``, written into ``grad``
+    (``logits`` itself is allowed) or a new tensor of the logits' dtype. Scales: 1-element or per-row."""
+    if grad is None:
+        grad = _backend.new_tensor(logits.shape, dtype=logits.dtype, device=logits.device)
+    if use_triton(logits):
+        _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z_scale, opts)
+    else:
+        result = grad_torch(logits, target, ce_weight, lse, ce_scale, z_scale, opts, out=grad)
+        if result.data_ptr() != grad.data_ptr():
+            grad.copy_(result)
+    return grad
+
+
+def row_stats_and_grad(logits, target, ce_weight, weight_total, opts: Options, want_pred, ce_scale, z_scale, out):
+    """``row_stats`` into ``out``, then the gradient written over ``logits``."""
+    if use_triton(logits):
+        _stats_triton(logits, target, ce_weight, weight_total, opts, *out)
+        _grad_triton(logits, logits, target, ce_weight, weight_total, out[0], ce_scale, z_scale, opts)
+    else:
+        results = stats_and_grad_torch(logits, target, ce_weight, opts, want_pred, ce_scale, z_scale)
+        for dst, src in zip(out, results):
+            if dst is not None:
+                dst.copy_(src)
+
+
+def class_weight_total(ce_weight):
+    return None if ce_weight is None else ce_weight.sum(dtype=compute_dtype(ce_weight.dtype)).reshape(1)
+
+
+def denominators(target, ce_weight, opts: Options, dtype):
+    """(sum of the kept targets' class weights, count of kept rows) as a 2-element device tensor: the
+    divisors of "mean" (no synchronization: they stay on the device)."""
+    kept = target != opts.ignore_index
+    count = kept.sum().to(dtype)
+    if ce_weight is None:
+        return torch.stack([count, count])
+    n_classes = ce_weight.shape[0]
+    y = torch.where(kept & (target >= 0) & (target < n_classes), target, 0)
+    weighted = (ce_weight.to(dtype)[y] * kept).sum()
+    return torch.stack([weighted, count])
+
+
+def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, rows_shape):
+    """(loss, z_loss, token_accuracy) from the row tensors, reduced as ``opts.reduction`` says."""
+    accuracy = None
+    kept = target != opts.ignore_index
+    if want_accuracy:
+        accuracy = ((pred == target) & kept).to(torch.float32)
+    if opts.reduction == "none":
+        return (ce + z).view(rows_shape), z.view(rows_shape), None if accuracy is None else accuracy.view(rows_shape)
+    if opts.reduction == "sum":
+        loss, z_loss = ce.sum() + z.sum(), z.sum()
+    else:
+        weights, count = denominators(target, ce_weight, opts, ce.dtype).unbind()
+        z_loss = z.sum() / count
+        loss = ce.sum() / weights + z_loss
+    if accuracy is not None:
+        accuracy = accuracy.sum() / kept.sum()
+    return loss, z_loss, accuracy
+
+
+def row_scales(target, ce_weight, opts: Options, dtype, d_loss=None):
+    """The (ce_scale, z_scale) the gradient kernel reads: 1/denominators for "mean", ones for "sum", times
+    the incoming gradient ``d_loss`` (a scalar, or per row for "none") when given."""
+    if opts.reduction == "none":
+        per_row = d_loss.reshape(-1).to(dtype).contiguous()
+        return per_row, per_row
+    if opts.reduction == "mean":
+        scales = 1.0 / denominators(target, ce_weight, opts, dtype)
+    else:
+        scales = torch.ones(2, dtype=dtype, device=target.device)
+    if d_loss is not None:
+        scales = scales * d_loss.to(dtype)
+    return scales[0:1], scales[1:2]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cross-entropy on given logits. An autograd node maps logits to the ce and z rows; the reduction is plain
+# PyTorch on the rows, so backward receives each row's scale (1/sum of weights for "mean", the incoming
+# gradient for "none", ...) and writes the gradient in one pass to a fresh tensor, from the logits and the
+# lse saved in forward (N floats). The caller's logits are read, never written.
+
+OP = "cross_entropy"
+
+
+def _rows_forward(logits, target, ce_weight, opts: Options, want_pred: bool):
+    return row_stats(logits, target, ce_weight, class_weight_total(ce_weight), opts, want_pred)
+
+
+def _rows_backward(d_ce, d_z, logits, target, ce_weight, lse, opts: Options):
+    zeros = lse.new_zeros(1)
+    d_ce = zeros if d_ce is None else d_ce.to(lse.dtype)
+    d_z = zeros if d_z is None else d_z.to(lse.dtype)
+    return row_grad(logits, target, ce_weight, class_weight_total(ce_weight), lse, d_ce, d_z, opts)
+
+
+class _EagerRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ce_weight, opts, want_pred):
+        lse, ce, z, pred = _rows_forward(logits, target, ce_weight, opts, want_pred)
+        ctx.save_for_backward(logits, target, ce_weight, lse)
+        ctx.opts = opts
+        if pred is not None:
+            ctx.mark_non_differentiable(pred)
+        return ce, z, pred
+
+    @staticmethod
+    def backward(ctx, d_ce, d_z, d_pred):
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"{OP}: double backward (create_graph=True) is not supported")
+        logits, target, ce_weight, lse = ctx.saved_tensors
+        return _rows_backward(d_ce, d_z, logits, target, ce_weight, lse, ctx.opts), None, None, None, None
+
+
+# torch.compile: the same node as a torch.library op with autograd and fake implementations.
+NAMESPACE = __name__.split(".")[0]
+
+
+@torch.library.custom_op(f"{NAMESPACE}::ce_rows", mutates_args=())
+def _rows_op(
+    logits: torch.Tensor, target: torch.Tensor, ce_weight: torch.Tensor | None, ignore_index: int,
+    lse_square_scale: float, label_smoothing: float, reduction: str, softcap: float | None,
+    use_token_scaling: bool, want_pred: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    opts = Options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling)
+    lse, ce, z, pred = _rows_forward(logits, target, ce_weight, opts, want_pred)
+    return ce, z, pred if pred is not None else target.new_empty((0,), dtype=torch.int64), lse
+
+
+@_rows_op.register_fake
+def _(logits, target, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+      use_token_scaling, want_pred):  # fmt: skip
+    rows, dtype = logits.shape[0], compute_dtype(logits.dtype)
+    ce, z, lse = (logits.new_empty((rows,), dtype=dtype) for _ in range(3))
+    return ce, z, logits.new_empty((rows if want_pred else 0,), dtype=torch.int64), lse
+
+
+@torch.library.custom_op(f"{NAMESPACE}::ce_rows_backward", mutates_args=())
+def _rows_backward_op(
+    d_ce: torch.Tensor, d_z: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
+    ce_weight: torch.Tensor | None, lse: torch.Tensor, ignore_index: int, lse_square_scale: float,
+    label_smoothing: float, reduction: str, softcap: float | None, use_token_scaling: bool,
+) -> torch.Tensor:  # fmt: skip
+    opts = Options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling)
+    return _rows_backward(d_ce, d_z, logits, target, ce_weight, lse, opts)
+
+
+@_rows_backward_op.register_fake
+def _(d_ce, d_z, logits, *args):
+    return logits.new_empty(logits.shape)
+
+
+def _rows_setup_context(ctx, inputs, output):
+    logits, target, ce_weight, *options = inputs
+    ctx.save_for_backward(logits, target, ce_weight, output[3])
+    ctx.options = options[:-1]
+
+
+def _rows_op_backward(ctx, d_ce, d_z, d_pred, d_lse):
+    logits, target, ce_weight, lse = ctx.saved_tensors
+    zeros = lse.new_zeros(1)
+    d_ce = zeros if d_ce is None else d_ce
+    d_z = zeros if d_z is None else d_z
+    d_logits = _rows_backward_op(d_ce, d_z, logits, target, ce_weight, lse, *ctx.options)
+    return (d_logits,) + (None,) * 9
+
+
+torch.library.register_autograd(_rows_op, _rows_op_backward, setup_context=_rows_setup_context)
+
+
+def apply_rows(logits, target, ce_weight, opts: Options, want_pred: bool):
+    """(ce, z, pred) rows of validated 2-D logits, differentiable through ce and z."""
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        ce, z, pred, _ = _rows_op(logits, target, ce_weight, *opts, want_pred)
+        return ce, z, pred if want_pred else None
+    if torch.compiler.is_compiling() or is_functorch(logits):  # torch.export, or torch.func transforms
+        _, ce, z, pred = rows_torch(logits, target, ce_weight, opts, want_pred)
+        return ce, z, pred
+    return _EagerRows.apply(logits, target, ce_weight, opts, want_pred)
+
+
+def is_functorch(*tensors) -> bool:
+    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
+def cross_entropy(
+    logits, target, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
+    reduction="mean", softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False,
+    use_token_scaling=False,
+):  # fmt: skip
+    """``F.cross_entropy(softcap(logits).float(), target, weight=ce_weight, ...)`` for ``logits`` of shape
+    ``(*, V)`` and ``target`` of shape ``(*)``, with the z-loss, token scaling, token accuracy and predicted
+    tokens of :func:`~liger_kernels.liger_fused_linear_cross_entropy` and its return convention (the loss, or a
+    ``CrossEntropyOutput`` when any ``return_*`` is set). Backward writes the logits' gradient, in their dtype,
+    to a new tensor."""
+    check_tensor(logits, "logits", OP)
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"{OP}: `logits` must have shape (*, V) with V >= 1, got {tuple(logits.shape)}")
+    opts = check_options(OP, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling)
+    n_classes = logits.shape[-1]
+    check_target(target, logits.shape[:-1], n_classes, opts.ignore_index, OP)
+    if target.device != logits.device:
+        raise ValueError(f"{OP}: `target` must be on {logits.device}, got {target.device}")
+    ce_weight = check_class_weight(ce_weight, n_classes, logits.device, OP)
+    flags = [check_flag(v, a, OP) for a, v in (("return_z_loss", return_z_loss),
+             ("return_token_accuracy", return_token_accuracy), ("return_predicted_tokens", return_predicted_tokens))]  # fmt: skip
+    rows = logits.reshape(-1, n_classes)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    flat_target = target.reshape(-1).to(torch.int64).contiguous()
+    ce, z, pred = apply_rows(rows, flat_target, ce_weight, opts, flags[1] or flags[2])
+    loss, z_loss, accuracy = reduce_rows(ce, z, pred, flat_target, ce_weight, opts, flags[1], target.shape)
+    return package(loss, z_loss, accuracy, pred, flags, target.shape)
+
+
+@dataclass
+class CrossEntropyOutput:
+    """The loss with the extras asked for (``None`` where not asked)."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None
+
+
+def package(loss, z_loss, accuracy, pred, flags, rows_shape):
+    """The published return convention: the loss alone, or a CrossEntropyOutput when any extra is asked."""
+    return_z_loss, return_token_accuracy, return_predicted_tokens = flags
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
+        return loss
+    return CrossEntropyOutput(
+        loss,
+        z_loss if return_z_loss else None,
+        accuracy if return_token_accuracy else None,
+        pred.view(rows_shape) if return_predicted_tokens else None,
+    )

@@ -1,0 +1,448 @@
+"""Fused linear cross-entropy: ``cross_entropy(softcap(input @ weight.T + bias), target)`` without ever holding
+the N x V logits.
+
+The tokens are processed in chunks of rows. For each chunk: one GEMM writes its logits into a buffer this
+function owns, the cross-entropy kernels (cross_entropy.py: Triton on GPUs, PyTorch on CPU, MPS and fp64)
+compute the loss rows and then write the logits' gradient over the logits, and GEMMs turn that gradient into
+the chunk's rows of the input gradient and add its share of the weight (and bias) gradient to an accumulator
+in fp32 (or ``accum_dtype``). Peak memory beyond the inputs: one chunk of logits, the gradients, the
+accumulator.
+
+Chunk rows (:func:`chunk_rows`): ``4 H / itemsize`` rounded down to a power of two, so that a chunk's logits
+take about ``4 V H`` bytes, the size of the fp32 weight-gradient accumulator the op holds anyway: the logits
+never cost more memory than the weight gradient. At least 32 rows (GEMM efficiency), at most 1 GiB of logits,
+at most N. On the PyTorch path the itemsize is that of the fp32/fp64 compute dtype, its temporaries' dtype.
+(N = 32768, H = 4096, V = 128256 in bf16: 4096 rows, 8 chunks of 1002 MiB; peak beyond the inputs: the fp32
+accumulator, one chunk and the input gradient, 3.2 GiB, where the logits alone would take 7.8 GiB.)
+
+Gradients are computed in forward for "mean" and "sum"; backward scales them by the incoming gradient in
+place and hands them over (a later backward through a retained graph rescales them; if a returned gradient
+was modified in place in between, autograd's in-place check raises). For "none" the incoming
+gradient is per row and must weight each row before the rows are summed into the weight gradient, so forward
+keeps the row logsumexps and backward recomputes the chunks' logits.
+
+The loss is fp32 (fp64 for fp64 inputs). Under autocast the GEMMs run in the autocast dtype, like
+``F.linear`` would, and each gradient is returned in its parameter's dtype (from the fp32 accumulator).
+"""
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from . import _backend
+from . import cross_entropy as _ce
+from ._backend import use_triton
+from .cross_entropy import CrossEntropyOutput, Options
+
+__all__ = ["CrossEntropyOutput", "LigerFusedLinearCrossEntropyFunction", "liger_fused_linear_cross_entropy"]
+
+OP = "liger_fused_linear_cross_entropy"
+MIN_CHUNK_ROWS = 32
+MAX_CHUNK_BYTES = 1 << 30
+
+
+def chunk_rows(n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, triton: bool) -> int:
+    """Rows of logits per chunk (see the module docstring)."""
+    itemsize = (dtype if triton else _ce.compute_dtype(dtype)).itemsize
+    rows = max(4 * hidden // itemsize, MIN_CHUNK_ROWS)
+    rows = max(1, min(rows, MAX_CHUNK_BYTES // max(vocab * itemsize, 1)))
+    rows = 1 << (rows.bit_length() - 1)
+    return max(1, min(rows, n_rows))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation: every check runs before any launch.
+
+
+def _validate(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+              softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, return_predicted_tokens,
+              op=OP):  # fmt: skip
+    _ce.check_tensor(input, "input", op)
+    _ce.check_tensor(weight, "weight", op)
+    if input.dim() == 0:
+        raise ValueError(f"{op}: `input` must have shape (*, H), got a 0-d tensor")
+    if weight.dim() != 2 or weight.shape[1] != input.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"{op}: `weight` must have shape (V, H) = (V, {input.shape[-1]}) with V >= 1, got {tuple(weight.shape)}"
+        )
+    if weight.device != input.device:
+        raise ValueError(f"{op}: `input` and `weight` must be on the same device, got {input.device} and {weight.device}")
+    autocast = torch.is_autocast_enabled(input.device.type)
+    dtype = torch.get_autocast_dtype(input.device.type) if autocast else input.dtype
+    if not autocast and weight.dtype != input.dtype:
+        raise TypeError(f"{op}: `input` and `weight` must have the same dtype, got {input.dtype} and {weight.dtype}")
+    vocab = weight.shape[0]
+    if bias is not None:
+        _ce.check_tensor(bias, "bias", op)
+        if tuple(bias.shape) != (vocab,):
+            raise ValueError(f"{op}: `bias` must have shape ({vocab},), got {tuple(bias.shape)}")
+        if bias.device != input.device:
+            raise ValueError(f"{op}: `bias` must be on {input.device}, got {bias.device}")
+        if not autocast and bias.dtype != input.dtype:
+            raise TypeError(f"{op}: `bias` must have the dtype of `input` ({input.dtype}), got {bias.dtype}")
+    opts = _ce.check_options(op, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+                             use_token_scaling)  # fmt: skip
+    _ce.check_target(target, input.shape[:-1], vocab, opts.ignore_index, op)
+    if target.device != input.device:
+        raise ValueError(f"{op}: `target` must be on {input.device}, got {target.device}")
+    ce_weight = _ce.check_class_weight(ce_weight, vocab, input.device, op)
+    if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
+        raise TypeError(f"{op}: `accum_dtype` must be None or a floating torch.dtype, got {accum_dtype!r}")
+    flags = tuple(_ce.check_flag(v, a, op) for a, v in (("return_z_loss", return_z_loss),
+                  ("return_token_accuracy", return_token_accuracy), ("return_predicted_tokens", return_predicted_tokens)))  # fmt: skip
+    if ce_weight is not None and not ce_weight.is_contiguous():
+        ce_weight = ce_weight.contiguous()
+    return opts, dtype, ce_weight, flags
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The chunked computation, for validated inputs. ``needs`` = (input, weight, bias) gradients wanted.
+
+
+def _no_autocast(device_type: str):
+    # The accumulating GEMMs must not be recast to the autocast dtype; inputs are cast explicitly instead.
+    return torch.autocast(device_type, enabled=False) if device_type in ("cuda", "cpu", "xpu", "mps") else contextlib.nullcontext()
+
+
+def _prepare(input, weight, target, bias, dtype):
+    x = input.reshape(-1, input.shape[-1]).to(dtype)
+    w = weight.to(dtype)
+    b = bias.to(dtype) if bias is not None else None
+    return x, w, target.reshape(-1).to(torch.int64).contiguous(), b
+
+
+def _chunks(x, w, b):
+    """(start, stop, logits of rows start:stop) in one buffer reused by every chunk."""
+    n_rows, vocab = x.shape[0], w.shape[0]
+    if n_rows == 0:
+        return
+    rows = chunk_rows(n_rows, x.shape[1], vocab, x.dtype, use_triton(x))
+    buffer = _backend.new_tensor((rows, vocab), dtype=x.dtype, device=x.device)
+    for start in range(0, n_rows, rows):
+        stop = min(start + rows, n_rows)
+        logits = buffer[: stop - start]
+        if b is None:
+            torch.mm(x[start:stop], w.t(), out=logits)
+        else:
+            torch.addmm(b, x[start:stop], w.t(), out=logits)
+        yield start, stop, logits
+
+
+def _accumulators(x, w, dtype, accum_dtype, needs, device):
+    n_rows, hidden, vocab = x.shape[0], x.shape[1], w.shape[0]
+    acc = accum_dtype or torch.promote_types(torch.float32, dtype)
+    grad_x = _backend.new_tensor((n_rows, hidden), dtype=dtype, device=device) if needs[0] else None
+    grad_w = torch.zeros((vocab, hidden), dtype=acc, device=device) if needs[1] else None
+    grad_b = torch.zeros((vocab,), dtype=acc, device=device) if needs[2] else None
+    return grad_x, grad_w, grad_b
+
+
+def _accumulate(grad_logits, x_rows, w, grad_x_rows, grad_w, grad_b):
+    if grad_x_rows is not None:
+        torch.mm(grad_logits, w, out=grad_x_rows)
+    if grad_w is not None:
+        if grad_logits.dtype == grad_w.dtype:
+            grad_w.addmm_(grad_logits.t(), x_rows)
+        elif grad_w.device.type == "cuda" and torch.version.cuda is not None and grad_w.dtype == torch.float32:
+            # bf16/fp16 operands, fp32 accumulator: cuBLAS adds the product in fp32, no V x H temporary
+            torch.addmm(grad_w, grad_logits.t(), x_rows, out_dtype=torch.float32, out=grad_w)
+        else:  # upcast the chunk (rows x V), never the V x H product
+            grad_w.addmm_(grad_logits.t().to(grad_w.dtype), x_rows.to(grad_w.dtype))
+    if grad_b is not None:
+        grad_b += grad_logits.sum(0, dtype=grad_b.dtype)
+
+
+def _returned(grad, like):
+    return None if grad is None else grad.to(like.dtype).view(like.shape)
+
+
+def forward_core(input, weight, target, bias, ce_weight, opts: Options, dtype, accum_dtype, want_pred,
+                 want_accuracy, needs):  # fmt: skip
+    """(loss, z_loss, token_accuracy, pred, lse, grad_input, grad_weight, grad_bias); the gradients are those of
+    the loss (for an incoming gradient of 1) when reduction is "mean" or "sum" and ``needs`` asks, else None."""
+    x, w, t, b = _prepare(input, weight, target, bias, dtype)
+    n_rows, device = x.shape[0], x.device
+    loss_dtype = _ce.compute_dtype(dtype)
+    new = _backend.new_tensor
+    lse, ce, z = (new((n_rows,), dtype=loss_dtype, device=device) for _ in range(3))
+    pred = new((n_rows,), dtype=torch.int64, device=device) if want_pred or want_accuracy else None
+    grads_now = opts.reduction != "none" and any(needs)
+    grad_x, grad_w, grad_b = _accumulators(x, w, dtype, accum_dtype, needs if grads_now else (False,) * 3, device)
+    scales = _ce.row_scales(t, ce_weight, opts, loss_dtype) if grads_now else None
+    weight_total = _ce.class_weight_total(ce_weight)
+    for start, stop, logits in _chunks(x, w, b):
+        rows_t = t[start:stop]
+        out = (lse[start:stop], ce[start:stop], z[start:stop], None if pred is None else pred[start:stop])
+        if not grads_now:
+            _ce.row_stats(logits, rows_t, ce_weight, weight_total, opts, pred is not None, out=out)
+        else:
+            _ce.row_stats_and_grad(logits, rows_t, ce_weight, weight_total, opts, pred is not None, *scales, out=out)
+            _accumulate(logits, x[start:stop], w, None if grad_x is None else grad_x[start:stop], grad_w, grad_b)
+    loss, z_loss, accuracy = _ce.reduce_rows(ce, z, pred, t, ce_weight, opts, want_accuracy, target.shape)
+    return (loss, z_loss, accuracy, pred, lse,
+            _returned(grad_x, input), _returned(grad_w, weight), _returned(grad_b, bias))  # fmt: skip
+
+
+def backward_rows_core(d_loss, input, weight, target, bias, ce_weight, lse, opts: Options, dtype, accum_dtype, needs):
+    """reduction="none": the gradients for per-row incoming gradients ``d_loss``, the chunks recomputed."""
+    x, w, t, b = _prepare(input, weight, target, bias, dtype)
+    d_rows = d_loss.reshape(-1).to(lse.dtype).contiguous()
+    grad_x, grad_w, grad_b = _accumulators(x, w, dtype, accum_dtype, needs, x.device)
+    weight_total = _ce.class_weight_total(ce_weight)
+    for start, stop, logits in _chunks(x, w, b):
+        d = d_rows[start:stop]
+        _ce.row_grad(logits, t[start:stop], ce_weight, weight_total, lse[start:stop], d, d, opts, grad=logits)
+        _accumulate(logits, x[start:stop], w, None if grad_x is None else grad_x[start:stop], grad_w, grad_b)
+    return _returned(grad_x, input), _returned(grad_w, weight), _returned(grad_b, bias)
+
+
+def composite(input, weight, target, bias, ce_weight, opts: Options, want_pred, want_accuracy):
+    """Plain differentiable PyTorch with the full logits: for torch.func transforms and torch.export."""
+    logits = F.linear(input, weight, bias).reshape(-1, weight.shape[0])
+    t = target.reshape(-1).to(torch.int64)
+    _, ce, z, pred = _ce.rows_torch(logits, t, ce_weight, opts, want_pred or want_accuracy)
+    loss, z_loss, accuracy = _ce.reduce_rows(ce, z, pred, t, ce_weight, opts, want_accuracy, target.shape)
+    return loss, z_loss.detach(), accuracy, pred
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Autograd. Eager calls use an autograd.Function; torch.compile gets torch.library ops (below).
+
+DOUBLE_BACKWARD = (
+    f"{OP}: double backward (create_graph=True) is not supported: the gradients are computed in forward and are "
+    "not themselves differentiable"
+)
+
+
+def _forward(ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy):
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+    with _no_autocast(input.device.type):
+        loss, z_loss, accuracy, pred, lse, *grads = forward_core(
+            input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy, needs
+        )
+    ctx.args = (opts, dtype, accum_dtype, needs)
+    if opts.reduction == "none":
+        ctx.save_for_backward(input, weight, target, bias, ce_weight, lse)
+    else:  # saved, so that autograd drops them after a backward that does not retain the graph
+        ctx.save_for_backward(*grads)
+        ctx.scale, ctx.in_place = None, not _saved_tensor_hooks_active()
+    return loss, z_loss, accuracy, pred
+
+
+def _backward(ctx, d_loss):
+    if torch.is_grad_enabled():
+        raise RuntimeError(DOUBLE_BACKWARD)
+    opts, dtype, accum_dtype, needs = ctx.args
+    if opts.reduction == "none":
+        input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
+        with _no_autocast(input.device.type):
+            return backward_rows_core(d_loss, input, weight, target, bias, ce_weight, lse, opts, dtype, accum_dtype,
+                                      needs)  # fmt: skip
+    grads = ctx.saved_tensors  # raises if a handed-over buffer was modified since (accumulated into as .grad)
+    if not ctx.in_place:  # saved-tensor hooks (offloading, checkpointing) hand back copies: scale out of place
+        return tuple(None if g is None else g * d_loss for g in grads)
+    if ctx.scale is None:
+        # The first backward scales the buffers in place and hands them over; their version is kept, so that a
+        # later backward through a retained graph can still read them and rescale.
+        for grad in grads:
+            if grad is not None:
+                with torch.autograd._unsafe_preserve_version_counter(grad):
+                    grad.mul_(d_loss)
+        ctx.scale = d_loss.detach().clone()
+        return tuple(grads)
+    ratio = d_loss / ctx.scale
+    return tuple(None if g is None else g * ratio for g in grads)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+class _EagerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy):
+        loss, z_loss, accuracy, pred = _forward(ctx, input, weight, target, bias, ce_weight, opts, dtype,
+                                                accum_dtype, want_pred, want_accuracy)  # fmt: skip
+        ctx.mark_non_differentiable(*[t for t in (z_loss, accuracy, pred) if t is not None])
+        return loss, z_loss, accuracy, pred
+
+    @staticmethod
+    def backward(ctx, d_loss, d_z_loss, d_accuracy, d_pred):
+        grad_input, grad_weight, grad_bias = _backward(ctx, d_loss)
+        return grad_input, grad_weight, None, grad_bias, None, None, None, None, None, None
+
+
+class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """``LigerFusedLinearCrossEntropyFunction.apply(input, weight, target, bias=None, ce_weight=None,
+    ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean", softcap=None,
+    return_z_loss=False, accum_dtype=None, use_token_scaling=False, return_token_accuracy=False,
+    return_predicted_tokens=False)`` -> ``(loss, z_loss, token_accuracy, predicted_tokens)``, each extra None
+    unless asked for. :func:`liger_fused_linear_cross_entropy` is the same with less host cost and a
+    torch.compile path."""
+
+    @staticmethod
+    def forward(ctx, _input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
+                label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None,
+                use_token_scaling=False, return_token_accuracy=False, return_predicted_tokens=False):  # fmt: skip
+        opts, dtype, ce_weight, flags = _validate(
+            _input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+            softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, return_predicted_tokens,
+            op="LigerFusedLinearCrossEntropyFunction",
+        )  # fmt: skip
+        loss, z_loss, accuracy, pred = _forward(ctx, _input, weight, target, bias, ce_weight, opts, dtype,
+                                                accum_dtype, flags[2], flags[1])  # fmt: skip
+        extras = (z_loss if flags[0] else None, accuracy if flags[1] else None,
+                  pred.view(target.shape) if flags[2] else None)  # fmt: skip
+        ctx.mark_non_differentiable(*[t for t in extras if t is not None])
+        return (loss, *extras)
+
+    @staticmethod
+    def backward(ctx, d_loss, *unused):
+        grad_input, grad_weight, grad_bias = _backward(ctx, d_loss)
+        return (grad_input, grad_weight, None, grad_bias) + (None,) * 11
+
+
+# torch.compile: the forward (with the gradients for "mean"/"sum") and the "none" backward as torch.library
+# ops; absent results are empty tensors there. The namespace is the package's module name, unique per build.
+NAMESPACE = __name__.split(".")[0]
+_Tensors8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                  torch.Tensor]  # fmt: skip
+
+
+@torch.library.custom_op(f"{NAMESPACE}::flce_forward", mutates_args=())
+def _forward_op(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+    ce_weight: torch.Tensor | None, ignore_index: int, lse_square_scale: float, label_smoothing: float,
+    reduction: str, softcap: float | None, use_token_scaling: bool, dtype: torch.dtype,
+    accum_dtype: torch.dtype | None, want_pred: bool, want_accuracy: bool, needs_input: bool, needs_weight: bool,
+    needs_bias: bool,
+) -> _Tensors8:  # fmt: skip
+    opts = Options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling)
+    with _no_autocast(input.device.type):
+        results = forward_core(input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred,
+                               want_accuracy, (needs_input, needs_weight, needs_bias))  # fmt: skip
+    empties = (torch.float32, torch.int64, None, input.dtype, weight.dtype, bias.dtype if bias is not None else None)
+    return tuple(r if r is not None else input.new_empty((0,), dtype=e) for r, e in zip(results, (None, None) + empties))
+
+
+@_forward_op.register_fake
+def _(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+      use_token_scaling, dtype, accum_dtype, want_pred, want_accuracy, needs_input, needs_weight, needs_bias):  # fmt: skip
+    loss_dtype, n_rows = _ce.compute_dtype(dtype), target.numel()
+    loss_shape = tuple(target.shape) if reduction == "none" else ()
+    grads_now = reduction != "none"
+
+    def empty(shape, dtype_):
+        return input.new_empty(shape, dtype=dtype_)
+
+    return (
+        empty(loss_shape, loss_dtype),
+        empty(loss_shape, loss_dtype),
+        empty(loss_shape if want_accuracy else (0,), torch.float32),
+        empty((n_rows,) if want_pred or want_accuracy else (0,), torch.int64),
+        empty((n_rows,), loss_dtype),
+        empty(input.shape if grads_now and needs_input else (0,), input.dtype),
+        empty(weight.shape if grads_now and needs_weight else (0,), weight.dtype),
+        empty(bias.shape if grads_now and needs_bias else (0,), bias.dtype if bias is not None else input.dtype),
+    )
+
+
+@torch.library.custom_op(f"{NAMESPACE}::flce_backward_rows", mutates_args=())
+def _backward_rows_op(
+    d_loss: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+    bias: torch.Tensor | None, ce_weight: torch.Tensor | None, lse: torch.Tensor, ignore_index: int,
+    lse_square_scale: float, label_smoothing: float, reduction: str, softcap: float | None,
+    use_token_scaling: bool, dtype: torch.dtype, accum_dtype: torch.dtype | None, needs_input: bool,
+    needs_weight: bool, needs_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    opts = Options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling)
+    with _no_autocast(input.device.type):
+        grads = backward_rows_core(d_loss, input, weight, target, bias, ce_weight, lse, opts, dtype, accum_dtype,
+                                   (needs_input, needs_weight, needs_bias))  # fmt: skip
+    return tuple(g if g is not None else input.new_empty((0,)) for g in grads)
+
+
+@_backward_rows_op.register_fake
+def _(d_loss, input, weight, target, bias, ce_weight, lse, *args):
+    needs_input, needs_weight, needs_bias = args[-3:]
+    return (
+        input.new_empty(input.shape if needs_input else (0,)),
+        weight.new_empty(weight.shape if needs_weight else (0,)),
+        input.new_empty(bias.shape if needs_bias else (0,), dtype=bias.dtype if needs_bias else input.dtype),
+    )
+
+
+def _op_setup_context(ctx, inputs, output):
+    input, weight, target, bias, ce_weight, *scalars = inputs
+    ctx.scalars = scalars[:8] + scalars[-3:]  # the backward op's: all but want_pred, want_accuracy
+    ctx.reduction = scalars[3]
+    ctx.needs = scalars[-3:]
+    if ctx.reduction == "none":
+        ctx.save_for_backward(input, weight, target, bias, ce_weight, output[4])
+    else:
+        ctx.save_for_backward(*output[5:])
+
+
+def _op_backward(ctx, d_loss, *unused):
+    if ctx.reduction == "none":
+        input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
+        grads = _backward_rows_op(d_loss, input, weight, target, bias, ce_weight, lse, *ctx.scalars)
+    else:  # out of place: the compiler plans the buffers
+        grads = [g * d_loss for g in ctx.saved_tensors]
+    grads = [g if need else None for g, need in zip(grads, ctx.needs)]
+    return (grads[0], grads[1], None, grads[2]) + (None,) * 14
+
+
+torch.library.register_autograd(_forward_op, _op_backward, setup_context=_op_setup_context)
+
+
+def _apply(input, weight, target, bias, ce_weight, opts: Options, dtype, accum_dtype, want_pred, want_accuracy):
+    """(loss, z_loss, token_accuracy, pred) with autograd, for validated inputs."""
+    if torch.compiler.is_exporting():
+        return composite(input, weight, target, bias, ce_weight, opts, want_pred, want_accuracy)
+    if torch.compiler.is_compiling():
+        grad_on = torch.is_grad_enabled()
+        needs = (grad_on and input.requires_grad, grad_on and weight.requires_grad,
+                 grad_on and bias is not None and bias.requires_grad)  # fmt: skip
+        loss, z_loss, accuracy, pred, *_ = _forward_op(input, weight, target, bias, ce_weight, *opts, dtype,
+                                                       accum_dtype, want_pred, want_accuracy, *needs)  # fmt: skip
+        return loss, z_loss.detach(), accuracy.detach(), pred
+    if _ce.is_functorch(input, weight, bias):
+        return composite(input, weight, target, bias, ce_weight, opts, want_pred, want_accuracy)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (input, weight, bias)):
+        with _no_autocast(input.device.type):  # no gradient wanted: the loss alone, no autograd node
+            results = forward_core(input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred,
+                                   want_accuracy, (False, False, False))  # fmt: skip
+        return results[:4]
+    return _EagerFunction.apply(input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred,
+                                want_accuracy)  # fmt: skip
+
+
+def liger_fused_linear_cross_entropy(
+    input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
+    reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False,
+    return_token_accuracy=False, return_predicted_tokens=False,
+):  # fmt: skip
+    """``F.cross_entropy(softcap(input @ weight.T + bias).float(), target, weight=ce_weight, ignore_index=...,
+    label_smoothing=..., reduction=...)`` plus the z-loss ``lse_square_scale * logsumexp^2`` (averaged over the
+    non-ignored rows for "mean", unweighted), without materializing the logits.
+
+    ``input`` (*, H), ``weight`` (V, H), ``target`` (*) integer (``ignore_index`` rows count for nothing),
+    ``bias`` (V,), ``ce_weight`` (V,) class weights. ``softcap``: logits become ``softcap * tanh(logits /
+    softcap)``. ``use_token_scaling``: each row's loss is multiplied by its (detached) target probability.
+    ``accum_dtype``: dtype of the weight/bias gradient accumulator (default fp32, fp64 for fp64 inputs).
+
+    Returns the loss (fp32; fp64 for fp64 inputs; shaped like ``target`` for reduction="none"), or, when any
+    ``return_*`` flag is set, a :class:`CrossEntropyOutput` with ``loss`` and the extras asked for:
+    ``z_loss`` (its share of the loss), ``token_accuracy`` (argmax == target over the non-ignored rows, per row
+    for "none") and ``predicted_tokens`` (the argmax, -1 for ignored rows). Only ``loss`` is differentiable.
+    """
+    opts, dtype, ce_weight, flags = _validate(
+        input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+        return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, return_predicted_tokens,
+    )  # fmt: skip
+    loss, z_loss, accuracy, pred = _apply(input, weight, target, bias, ce_weight, opts, dtype, accum_dtype,
+                                          flags[2], flags[1])  # fmt: skip
+    return _ce.package(loss, z_loss, accuracy, pred, flags, target.shape)
