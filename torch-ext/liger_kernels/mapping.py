@@ -27,6 +27,7 @@ LAYERS = {
     "Linear": ("LigerLinear", None),
     "RMSNorm": ("LigerRMSNorm", "LigerRMSNorm"),
     "ForCausalLMLoss": ("LigerForCausalLMLossLayer", None),
+    "rotary_pos_emb": ("liger_rotary_pos_emb_layer", "liger_rotary_pos_emb_layer"),
 }
 
 
