@@ -23,4 +23,4 @@ test: $(VENV)/.installed
 	$(PY) -m pytest tests
 
 variants: $(VENV)/.installed
-	$(PY) scripts/build_variants.py
+	$(PY) tools/build_variants.py

@@ -23,11 +23,11 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "torch-ext"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tools"))
 
 
 def stack(hidden, intermediate, layer, lk):
-    from tiled_cases import GatedMLP
+    from ddp_demo import GatedMLP
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[GatedMLP(hidden, intermediate) for _ in range(2)])

@@ -24,7 +24,7 @@ from transformers import GemmaConfig, LlamaConfig  # noqa: E402
 from transformers.models.gemma.modeling_gemma import GemmaMLP  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import build_variants  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernels.benchmark import Benchmark
 
-from conftest import ROOT
+from harness import ROOT
 
 SCRIPTS = sorted((ROOT / "benchmarks").glob("benchmark*.py"))
 SMALL = {"rows": 64, "cols": 96, "seq": 200, "hidden": 32, "intermediate": 48}

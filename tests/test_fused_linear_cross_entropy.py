@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import INTERPRETED, ROOT, backend, rel_err
-from flce_cases import CASES, linear64, make_inputs, reference_loss, reference_z_loss
+from harness import INTERPRETED, ROOT, backend, rel_err
+from harness import FLCE_CASES as CASES, linear64, make_inputs, reference_loss, reference_z_loss
 
 REDUCTIONS = ("mean", "sum", "none")
 # fp32 arithmetic summed over H and over the rows of a chunk: 16 ulps in norm. A wrong term errs by >= 1e-3.

@@ -6,8 +6,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import FLOAT_DTYPES, INTERPRETED, backend, poisoned_outputs, rel_err
-from gated_cases import OPS, check_op, make_pair
+from harness import FLOAT_DTYPES, INTERPRETED, backend, poisoned_outputs, rel_err
+from harness import OPS, check_op, make_pair
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import backend, rel_err
+from harness import backend, rel_err
 
 
 def test_default_is_tanh(lk, backend_name):

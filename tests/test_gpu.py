@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from conftest import FLOAT_DTYPES, backend, rel_err
-from gated_cases import OPS, check_op, make_pair
+from harness import FLOAT_DTYPES, backend, rel_err
+from harness import OPS, check_op, make_pair
 from test_layers import bind, llama_mlp, run
 
 pytestmark = pytest.mark.gpu
@@ -115,7 +115,7 @@ def test_cuda_tiled_accumulates_once_and_saves_memory(lk, auto_backend):
 def test_cuda_tiled_replays_dropout(lk, auto_backend):
     """The recompute draws the forward's dropout masks from the CUDA generator: gradients equal those of the
     same shards run with autograd."""
-    from tiled_cases import DropoutGatedMLP, call
+    from harness import DropoutGatedMLP, call
 
     module = DropoutGatedMLP(512, 1376, dropout=0.3).cuda()
     x = torch.randn(2, 2048, 512, device="cuda", requires_grad=True)
@@ -134,7 +134,7 @@ def test_cuda_tiled_replays_dropout(lk, auto_backend):
 @pytest.mark.parametrize("leaf", [True, False], ids=["x leaf", "x activation"])
 def test_cuda_tiled_replays_autocast(lk, leaf, auto_backend):
     from test_tiled_mlp import autocast_grads
-    from tiled_cases import GatedMLP
+    from harness import GatedMLP
 
     torch.manual_seed(0)
     module = GatedMLP(1024, 2816).cuda()

@@ -10,7 +10,7 @@ from transformers import GemmaConfig, LlamaConfig
 from transformers.models.gemma.modeling_gemma import GemmaMLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from conftest import INTERPRETED, backend, compute_eps, rel_err
+from harness import INTERPRETED, backend, compute_eps, rel_err
 
 HIDDEN, INTERMEDIATE = 64, 160
 

@@ -5,7 +5,7 @@ import json
 import kernels
 import pytest
 
-from conftest import ROOT, build_variants
+from harness import ROOT, build_variants
 
 
 def test_variant_tree_layout_and_metadata(variant_root):

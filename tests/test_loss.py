@@ -7,7 +7,7 @@ import copy
 import kernels
 import pytest
 import torch
-from conftest import rel_err
+from harness import rel_err
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -213,8 +213,8 @@ def test_wrapper_module_and_ddp_refusal(lk):
 def test_ddp_two_ranks_equal_single_process(variant_root, tmp_path):
     """CausalLMWithFusedLoss(LlamaForCausalLM) wrapped in DDP on 2 gloo ranks: every gradient equals a
     single-process run over both ranks' batches of the loss on the model's logits (float64). 60 s watchdog."""
-    from flce_workers import ddp_fused_loss
-    from train_ddp import launch
+    from dist_workers import ddp_fused_loss
+    from harness import launch
 
     results = launch(ddp_fused_loss, 2, variant_root, {}, tmp_path, timeout_s=60)
     for result in results:

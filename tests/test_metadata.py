@@ -5,7 +5,7 @@ import copy
 import re
 
 import pytest
-from conftest import ROOT, build_variants
+from harness import ROOT, build_variants
 from kernels._rust import Metadata
 
 LICENSE = "BSD-2-Clause"

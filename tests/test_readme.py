@@ -15,7 +15,7 @@ import kernels
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, build_variants
+from harness import ROOT, build_variants
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 HUB_REPO = "kernels-community/liger-kernels"

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
 
-from conftest import (
+from harness import (
     FLOAT_DTYPES, INTERPRETED, assert_close_to_rounding, assert_faithful, backend, compute_eps, poisoned_outputs,
     quantize, rel_err, truncates_bf16,
 )  # fmt: skip

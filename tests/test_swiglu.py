@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import backend
+from harness import backend
 
 
 def test_hub_signature_defaults(lk, backend_name):

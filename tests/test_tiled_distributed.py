@@ -4,7 +4,8 @@
 import pytest
 
 from dist_workers import engine_case, rank_subset_calls, uneven_sequences
-from train_ddp import launch, run_rank
+from ddp_demo import run_rank
+from harness import launch
 
 DDP_CASES = {
     "default": {},

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import rel_err
-from tiled_cases import DropoutGatedMLP, GatedMLP, call, max_abs_diff, tiled_and_untiled_grads
+from harness import rel_err
+from harness import DropoutGatedMLP, GatedMLP, call, max_abs_diff, tiled_and_untiled_grads
 
 H = 64
 

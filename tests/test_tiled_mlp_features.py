@@ -12,7 +12,7 @@ from transformers import LlamaConfig, Phi3Config
 from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
-from conftest import INTERPRETED, backend
+from harness import INTERPRETED, backend
 
 HIDDEN, INTERMEDIATE, SEQ = 32, 80, 96  # 3 automatic shards
 

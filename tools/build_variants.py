@@ -1,6 +1,6 @@
 """Write the variant tree kernel-builder produces for this Python/Triton package, from build.toml.
 
-    python scripts/build_variants.py [--out build]
+    python tools/build_variants.py [--out build]
 
 gives build/torch-<backend>/ for each backend in build.toml, each holding the package (torch-ext/<name>/)
 and a metadata.json, and build/CARD.md, the Hub card filled in from the CARD.md template. It is the local
