@@ -7,23 +7,20 @@ import harness  # noqa: F401  (first: environment)
 import kernels
 import pytest
 import torch
-from harness import BACKENDS, HAS_CUDA, backend, build_variants, poisoned_outputs, skip_unless_runnable
+from harness import BACKENDS, HAS_CUDA, LK, VARIANT_ROOT, backend, poisoned_outputs, skip_unless_runnable
 
 
 @pytest.fixture(scope="session")
-def variant_root(tmp_path_factory) -> Path:
+def variant_root() -> Path:
     """A repository root whose build/ holds freshly built variants of the current sources."""
-    root = tmp_path_factory.mktemp("liger_kernels_repo")
-    build_variants.build(root / "build")
-    return root
+    return VARIANT_ROOT
 
 
 @pytest.fixture(scope="session")
-def lk(variant_root):
+def lk():
     """The package, as ``kernels`` loads it."""
-    module = kernels.get_local_kernel(variant_root)
-    assert module.__name__ != "liger_kernels", "expected the loader's own module name"
-    return module
+    assert LK.__name__ != "liger_kernels", "expected the loader's own module name"
+    return LK
 
 
 @pytest.fixture(params=BACKENDS)

@@ -9,9 +9,12 @@ Triton's interpreter (TRITON_INTERPRET=1, set here before anything imports Trito
 kernel code on every commit.
 """
 
+import atexit
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
+import kernels  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -30,6 +34,12 @@ sys.path.insert(0, str(ROOT / "tools"))
 import build_variants  # noqa: E402
 import ddp_demo  # noqa: E402
 from ddp_demo import GatedMLP  # noqa: E402, F401  (the gated-MLP model the tiled tests use)
+
+# Built once per test process, at import, so that parametrizations can read the package's registries.
+VARIANT_ROOT = Path(tempfile.mkdtemp(prefix="liger_kernels_repo_"))
+atexit.register(shutil.rmtree, VARIANT_ROOT, ignore_errors=True)
+build_variants.build(VARIANT_ROOT / "build")
+LK = kernels.get_local_kernel(VARIANT_ROOT)
 
 BACKENDS = ("torch", "triton")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -157,6 +167,12 @@ OPS = {
         lambda a, b: F.gelu(a) * b,
     ),
 }
+# and every registered activation through the generic functional form, against the registry's reference
+for _name, _activation in LK.activations.REGISTRY.items():
+    OPS[f"gated_mul_{_name}"] = (
+        lambda lk, a, b, name=_name: lk.gated_mul(a, b, name, 0.75, 1.5),
+        lambda a, b, reference=_activation.reference: reference(0.75 * a) * b * 1.5,
+    )
 
 
 def make_pair(shape, dtype, device="cpu", strided=False, scale=2.0):

@@ -224,8 +224,12 @@ def test_double_backward_is_exact(lk, op, backend_name):
     a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
     got = _hvp(lambda p, q: apply(lk, p, q), a, b, v)
     want = _hvp(reference, a64, b64, v.double())
-    for g, w in zip(got, want):
-        assert rel_err(g, w) < (1e-12 if dtype == torch.float64 else 1e-5)
+    # No worse than PyTorch's own composite in the same dtype (second derivatives cancel in fp32).
+    a_same, b_same = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    eager = _hvp(reference, a_same, b_same, v)
+    for g, e, w in zip(got, eager, want):
+        bound = 1e-12 if dtype == torch.float64 else 1.5 * rel_err(e, w) + 16 * torch.finfo(dtype).eps
+        assert rel_err(g, w) <= bound, f"{op}: {rel_err(g, w):.3e} > {bound:.3e}"
 
 
 def _hvp(f, a, b, v):
