@@ -24,6 +24,28 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 import kernels  # noqa: E402
 import pytest  # noqa: E402
 
+
+def _interpreter_loops_on_numpy_2():
+    """Triton 3.6's interpreter holds kernel scalars as 1-element arrays and turns them into loop bounds with
+    int(array), which numpy >= 2.4 refuses: every `for i in range(n)` over a runtime `n` fails. Take the
+    element instead (the interpreter re-applies its patches at each launch, so this wraps its patcher)."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "scalar_index", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.scalar_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETED:
+    _interpreter_loops_on_numpy_2()
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import build_variants  # noqa: E402
