@@ -52,11 +52,12 @@ def blocks(lk, layout):
     registers), "rows" (two rows per step, several programs, several steps per backward program), "looped"
     (rows wider than MAX_BLOCK_COLS, looped over column blocks)."""
     rms = module(lk)
-    saved = {name: getattr(rms, name) for name in ("MAX_BLOCK_COLS", "FORWARD_TILE", "BACKWARD_TILE")}
+    names = ("MAX_BLOCK_COLS", "FORWARD_TILE", "BACKWARD_TILE", "BACKWARD_THREADS_PER_SM")
+    saved = {name: getattr(rms, name) for name in names}
     if layout == "rows":
-        rms.FORWARD_TILE, rms.BACKWARD_TILE = 64, 64
+        rms.FORWARD_TILE, rms.BACKWARD_TILE, rms.BACKWARD_THREADS_PER_SM = 64, 64, 64
     elif layout == "looped":
-        rms.MAX_BLOCK_COLS, rms.FORWARD_TILE, rms.BACKWARD_TILE = 16, 32, 32
+        rms.MAX_BLOCK_COLS, rms.FORWARD_TILE, rms.BACKWARD_TILE, rms.BACKWARD_THREADS_PER_SM = 16, 32, 32, 64
     rms._CONFIGS.clear()
     try:
         yield
@@ -191,6 +192,20 @@ def test_strided_inputs(lk, dtype, strided, layout, backend_name):
         x, weight = make_inputs((3, 6, 40), dtype, strided=strided)
         assert not x.is_contiguous()
         check_rms_norm(lk, x, weight, backend_name=backend_name)
+
+
+@pytest.mark.parametrize("layout", ["rows", "looped"])
+def test_layouts_take_the_paths_they_name(lk, layout):
+    """The tiny shapes above reach what they are meant to: several rows per program, several programs,
+    several steps of rows per backward program; or rows looped over column blocks."""
+    rms = module(lk)
+    with blocks(lk, layout):
+        one_block, _, forward_rows, _, backward_rows, _, _ = rms._config(24)
+        programs, blocks_per_program = rms._backward_grid(15, 24, torch.device("cpu"))
+    assert one_block == (layout == "rows")
+    assert programs > 1 and blocks_per_program > 1
+    if layout == "rows":
+        assert forward_rows > 1 and backward_rows > 1
 
 
 def test_strided_rows_are_read_in_place(lk):

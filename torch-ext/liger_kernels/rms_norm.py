@@ -117,7 +117,9 @@ FORWARD_TILE = 8192  # elements per forward program: several rows per program wh
 BACKWARD_TILE = 4096  # elements per backward step (fewer: backward also holds weight and its gradient sum)
 MAX_BLOCK_ROWS = 256
 ELEMENTS_PER_THREAD = 16  # of the tile: sets num_warps
-PROGRAMS_PER_SM = 2  # backward programs per multiprocessor (each one's partial sum is a row of the buffer)
+# Backward programs resident per multiprocessor: ~120 registers a thread (no spills, compiled for sm_90) fit
+# 512 threads. More programs than fit would only add rows to the partial-sum buffer.
+BACKWARD_THREADS_PER_SM = 512
 
 
 @jit
@@ -259,17 +261,19 @@ def _warps(elements: int) -> int:
 
 
 def _config(n_cols: int):
-    """(ONE_BLOCK, BLOCK_COLS, forward BLOCK_ROWS, forward warps, backward BLOCK_ROWS, backward warps)."""
+    """(ONE_BLOCK, BLOCK_COLS, forward BLOCK_ROWS, forward warps, backward BLOCK_ROWS, backward warps,
+    backward programs per multiprocessor)."""
     config = _CONFIGS.get(n_cols)
     if config is None:
         one_block = n_cols <= MAX_BLOCK_COLS
         block_cols = triton.next_power_of_2(n_cols) if one_block else MAX_BLOCK_COLS
         forward_rows = min(MAX_BLOCK_ROWS, max(1, FORWARD_TILE // block_cols)) if one_block else 1
         backward_rows = min(MAX_BLOCK_ROWS, max(1, BACKWARD_TILE // block_cols)) if one_block else 1
+        backward_warps = _warps(backward_rows * block_cols)
         config = _CONFIGS[n_cols] = (
             one_block, block_cols,
             forward_rows, _warps(forward_rows * block_cols),
-            backward_rows, _warps(backward_rows * block_cols),
+            backward_rows, backward_warps, max(1, BACKWARD_THREADS_PER_SM // (32 * backward_warps)),
         )  # fmt: skip
     return config
 
@@ -290,6 +294,15 @@ def _program_slots(device: torch.device) -> int:
     return slots
 
 
+def _backward_grid(n_rows: int, n_cols: int, device: torch.device):
+    """(programs, blocks of BLOCK_ROWS rows per program): as many programs as fit on the device at once,
+    each with an equal share of the rows; every program gets at least one block."""
+    _, _, _, _, block_rows, _, programs_per_sm = _config(n_cols)
+    row_blocks = triton.cdiv(n_rows, block_rows)
+    blocks_per_program = triton.cdiv(row_blocks, min(row_blocks, _program_slots(device) * programs_per_sm))
+    return triton.cdiv(row_blocks, blocks_per_program), blocks_per_program
+
+
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as [rows, H] with a unit column stride, without a copy where its leading dims collapse."""
     if t.stride(-1) != 1:
@@ -303,7 +316,7 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 def _forward_triton(x, weight, eps, offset, llama, store_rstd):
     rows = _as_rows(x)
     n_rows, n_cols = rows.shape
-    one_block, block_cols, block_rows, warps, _, _ = _config(n_cols)
+    one_block, block_cols, block_rows, warps, _, _, _ = _config(n_cols)
     y = _backend.new_tensor(x.shape, dtype=_out_dtype(x, weight, llama), device=x.device)
     rstd = _backend.new_tensor((n_rows,), dtype=torch.float32, device=x.device) if store_rstd else y
     _rms_norm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
@@ -318,10 +331,8 @@ def _forward_triton(x, weight, eps, offset, llama, store_rstd):
 def _backward_triton(d_y, x, weight, rstd, offset, llama, needs_x, needs_w):
     rows, d_y_rows = _as_rows(x), _as_rows(d_y)
     n_rows, n_cols = rows.shape
-    one_block, block_cols, _, _, block_rows, warps = _config(n_cols)
-    row_blocks = triton.cdiv(n_rows, block_rows)
-    blocks_per_program = triton.cdiv(row_blocks, min(row_blocks, _program_slots(x.device) * PROGRAMS_PER_SM))
-    programs = triton.cdiv(row_blocks, blocks_per_program)  # every program gets at least one block
+    one_block, block_cols, _, _, block_rows, warps, _ = _config(n_cols)
+    programs, blocks_per_program = _backward_grid(n_rows, n_cols, x.device)
     d_x = _backend.new_tensor(x.shape, dtype=x.dtype, device=x.device) if needs_x else rows
     partial = _backend.new_tensor((programs, n_cols), dtype=torch.float32, device=x.device) if needs_w else rows
     _rms_norm_backward_kernel[(programs,)](
