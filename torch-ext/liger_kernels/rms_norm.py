@@ -47,6 +47,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _check_real(value, arg: str) -> float:
+    if isinstance(value, float) and math.isfinite(value):  # the common case, without the ABC check
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{OP}: `{arg}` must be a real number, got {type(value).__name__}")
     value = float(value)
@@ -256,6 +258,10 @@ _CONFIGS = {}
 _SLOTS = {}
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # not triton.cdiv, a constexpr function whose host-side call costs microseconds
+
+
 def _warps(elements: int) -> int:
     return max(1, min(16, elements // (32 * ELEMENTS_PER_THREAD)))
 
@@ -298,9 +304,9 @@ def _backward_grid(n_rows: int, n_cols: int, device: torch.device):
     """(programs, blocks of BLOCK_ROWS rows per program): as many programs as fit on the device at once,
     each with an equal share of the rows; every program gets at least one block."""
     _, _, _, _, block_rows, _, programs_per_sm = _config(n_cols)
-    row_blocks = triton.cdiv(n_rows, block_rows)
-    blocks_per_program = triton.cdiv(row_blocks, min(row_blocks, _program_slots(device) * programs_per_sm))
-    return triton.cdiv(row_blocks, blocks_per_program), blocks_per_program
+    row_blocks = _cdiv(n_rows, block_rows)
+    blocks_per_program = _cdiv(row_blocks, min(row_blocks, _program_slots(device) * programs_per_sm))
+    return _cdiv(row_blocks, blocks_per_program), blocks_per_program
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -319,7 +325,7 @@ def _forward_triton(x, weight, eps, offset, llama, store_rstd):
     one_block, block_cols, block_rows, warps, _, _, _ = _config(n_cols)
     y = _backend.new_tensor(x.shape, dtype=_out_dtype(x, weight, llama), device=x.device)
     rstd = _backend.new_tensor((n_rows,), dtype=torch.float32, device=x.device) if store_rstd else y
-    _rms_norm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
+    _rms_norm_forward_kernel[(_cdiv(n_rows, block_rows),)](
         rows, weight, y, rstd,
         n_rows, n_cols, rows.stride(0), eps, offset,
         LLAMA=llama, STORE_RSTD=store_rstd, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ONE_BLOCK=one_block,
@@ -396,30 +402,32 @@ def _rows_of(x: torch.Tensor) -> int:
     return math.prod(x.shape[:-1])
 
 
-def norm_forward(x, weight, eps, offset, llama, store_rstd) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(y, rstd)``; ``rstd`` ([rows], fp32 or fp64) only with ``store_rstd``. No autograd."""
+def norm_forward(x, weight, eps, offset, llama, store_rstd, triton=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(y, rstd)``; ``rstd`` ([rows], fp32 or fp64) only with ``store_rstd``. No autograd. ``triton``: the
+    backend, when the caller has already asked ``_use_triton``."""
     if x.numel() == 0:
         y = torch.empty(x.shape, dtype=_out_dtype(x, weight, llama), device=x.device)
         rstd = torch.empty(_rows_of(x), dtype=_compute_dtype(x, weight), device=x.device)
         return y, (rstd if store_rstd else None)
-    if _use_triton(x, weight):
+    if _use_triton(x, weight) if triton is None else triton:
         return _forward_triton(x, weight, eps, offset, llama, store_rstd)
     y, rstd = _forward_torch(x, weight, eps, offset, llama)
     return y, (rstd.reshape(-1) if store_rstd else None)
 
 
-def norm_backward(d_y, x, weight, rstd, eps, offset, llama, needs_x=True, needs_w=True):
+def norm_backward(d_y, x, weight, rstd, eps, offset, llama, needs_x=True, needs_w=True, triton=None):
     """``(d_x, d_weight)``, None where not needed. With grad mode on (``create_graph=True``) or torch.func's
-    wrapped tensors, the differentiable PyTorch formulas, with ``rstd`` recomputed from ``x``."""
+    wrapped tensors, the differentiable PyTorch formulas, with ``rstd`` recomputed from ``x``. ``triton``:
+    the backend the forward ran (its ``rstd`` is fp32 either way), or None to ask ``_use_triton``."""
     if x.numel() == 0:
         d_x = torch.zeros_like(x) if needs_x else None
         d_weight = torch.zeros_like(weight) if needs_w else None
         return d_x, d_weight
     if d_y.shape != x.shape:  # a broadcast gradient
         d_y = d_y.expand(x.shape)
-    if torch.is_grad_enabled() or _needs_composite(d_y, weight) or _needs_composite(x, weight):
+    if torch.is_grad_enabled() or _needs_composite(d_y, x):
         return _backward_torch(d_y, x, weight, None, eps, offset, llama, needs_x, needs_w)
-    if _use_triton(x, weight) and rstd.dtype == torch.float32:
+    if (_use_triton(x, weight) if triton is None else triton) and rstd.dtype == torch.float32:
         return _backward_triton(d_y, x, weight, rstd, offset, llama, needs_x, needs_w)
     return _backward_torch(d_y, x, weight, rstd, eps, offset, llama, needs_x, needs_w)
 
@@ -483,10 +491,12 @@ torch.library.register_autograd(rms_norm_forward_op, _op_backward, setup_context
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, llama):
+        ctx.triton = None
         if torch.compiler.is_compiling():
             y, rstd = rms_norm_forward_op(x, weight, eps, offset, llama)
         else:
-            y, rstd = norm_forward(x, weight, eps, offset, llama, store_rstd=True)
+            ctx.triton = _use_triton(x, weight)  # asked once for both passes (it reads the environment)
+            y, rstd = norm_forward(x, weight, eps, offset, llama, store_rstd=True, triton=ctx.triton)
         ctx.save_for_backward(x, weight, rstd)
         ctx.args = (eps, offset, llama)
         return y
@@ -498,7 +508,7 @@ class _RMSNorm(torch.autograd.Function):
         if torch.compiler.is_compiling() and not torch.is_grad_enabled():
             d_x, d_weight = rms_norm_backward_op(d_y, x, weight, rstd, *ctx.args)
         else:
-            d_x, d_weight = norm_backward(d_y, x, weight, rstd, *ctx.args, needs_x, needs_w)
+            d_x, d_weight = norm_backward(d_y, x, weight, rstd, *ctx.args, needs_x, needs_w, ctx.triton)
         return (d_x if needs_x else None), (d_weight if needs_w else None), None, None, None
 
 
