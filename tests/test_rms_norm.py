@@ -58,13 +58,13 @@ def blocks(lk, layout):
         rms.FORWARD_TILE, rms.BACKWARD_TILE, rms.BACKWARD_THREADS_PER_SM = 64, 64, 64
     elif layout == "looped":
         rms.MAX_BLOCK_COLS, rms.FORWARD_TILE, rms.BACKWARD_TILE, rms.BACKWARD_THREADS_PER_SM = 16, 32, 32, 64
-    rms._CONFIGS.clear()
+    rms.clear_launch_cache()
     try:
         yield
     finally:
         for name, value in saved.items():
             setattr(rms, name, value)
-        rms._CONFIGS.clear()
+        rms.clear_launch_cache()
 
 
 def require_interpreted_triton():
@@ -206,6 +206,18 @@ def test_layouts_take_the_paths_they_name(lk, layout):
     assert programs > 1 and blocks_per_program > 1
     if layout == "rows":
         assert forward_rows > 1 and backward_rows > 1
+
+
+def test_backward_stages_fit_the_shared_memory_budget(lk, monkeypatch):
+    """(stages - 1) tiles of d_y and x wait in shared memory: within BACKWARD_SHARED_BYTES and half the
+    device's shared memory per block (an AMD CU has 64 KiB), never fewer than one stage."""
+    rms, cpu = module(lk), torch.device("cpu")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for shared, expected in ((227 * 1024, (4, 2)), (64 * 1024, (3, 1))):
+        monkeypatch.setattr(rms, "_shared_bytes_per_block", lambda device, shared=shared: shared)
+        rms.clear_launch_cache()
+        assert (rms._backward_stages(4096, bf16, bf16, cpu), rms._backward_stages(8192, fp32, fp32, cpu)) == expected
+    rms.clear_launch_cache()
 
 
 def test_strided_rows_are_read_in_place(lk):

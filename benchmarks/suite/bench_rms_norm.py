@@ -220,17 +220,21 @@ def host_rows() -> list:
 # ----------------------------------------------------------------------------------------------------------
 # The sweep: this package's kernels under other launch parameters.
 
-SWEEP_NAMES = ("FORWARD_TILE", "BACKWARD_TILE", "ELEMENTS_PER_THREAD", "BACKWARD_THREADS_PER_SM")
+SWEEP_NAMES = ("FORWARD_TILE", "BACKWARD_TILE", "ELEMENTS_PER_THREAD", "BACKWARD_THREADS_PER_SM",
+               "BACKWARD_STAGES", "BACKWARD_SHARED_BYTES")  # fmt: skip
 SWEEP = [
     {"ELEMENTS_PER_THREAD": 8},
     {"ELEMENTS_PER_THREAD": 32},
     {"FORWARD_TILE": 4096},
     {"FORWARD_TILE": 16384},
+    {"BACKWARD_TILE": 2048},
     {"BACKWARD_TILE": 8192},
-    {"BACKWARD_TILE": 8192, "ELEMENTS_PER_THREAD": 32},
     {"BACKWARD_THREADS_PER_SM": 256},
     {"BACKWARD_THREADS_PER_SM": 1024},
-    {"BACKWARD_THREADS_PER_SM": 2048},
+    {"BACKWARD_STAGES": 1},
+    {"BACKWARD_STAGES": 2},
+    {"BACKWARD_STAGES": 3},
+    {"BACKWARD_STAGES": 6, "BACKWARD_SHARED_BYTES": 160 * 1024},
 ]
 
 
@@ -238,7 +242,7 @@ def with_parameters(parameters: dict):
     saved = {name: getattr(RMS, name) for name in SWEEP_NAMES}
     for name, value in parameters.items():
         setattr(RMS, name, value)
-    RMS._CONFIGS.clear()
+    RMS.clear_launch_cache()
     return saved
 
 

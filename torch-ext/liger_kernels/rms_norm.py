@@ -119,9 +119,14 @@ FORWARD_TILE = 8192  # elements per forward program: several rows per program wh
 BACKWARD_TILE = 4096  # elements per backward step (fewer: backward also holds weight and its gradient sum)
 MAX_BLOCK_ROWS = 256
 ELEMENTS_PER_THREAD = 16  # of the tile: sets num_warps
-# Backward programs resident per multiprocessor: ~120 registers a thread (no spills, compiled for sm_90) fit
+# Backward programs resident per multiprocessor: ~128 registers a thread (no spills, compiled for sm_90) fit
 # 512 threads. More programs than fit would only add rows to the partial-sum buffer.
 BACKWARD_THREADS_PER_SM = 512
+# Blocks of rows a backward program has in flight (software pipelining through shared memory): STAGES - 1
+# tiles of d_y and x wait in shared memory, 48 KiB a program for 4 stages of a 4096-element bf16 tile. Fewer
+# stages where that would exceed BACKWARD_SHARED_BYTES or half the device's shared memory per block.
+BACKWARD_STAGES = 4
+BACKWARD_SHARED_BYTES = 96 * 1024
 
 
 @jit
@@ -175,7 +180,7 @@ def _rms_norm_backward_kernel(
     d_y_ptr, x_ptr, weight_ptr, rstd_ptr, d_x_ptr, d_weight_ptr,
     n_rows, n_cols, d_y_row_stride, x_row_stride, blocks_per_program, offset,
     LLAMA: constexpr, STORE_D_X: constexpr, STORE_D_WEIGHT: constexpr,
-    BLOCK_ROWS: constexpr, BLOCK_COLS: constexpr, ONE_BLOCK: constexpr,
+    BLOCK_ROWS: constexpr, BLOCK_COLS: constexpr, ONE_BLOCK: constexpr, STAGES: constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     first_row = pid * blocks_per_program * BLOCK_ROWS
@@ -185,27 +190,17 @@ def _rms_norm_backward_kernel(
         col_mask = cols < n_cols
         weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
         d_weight = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
-        # The next block's loads are issued before this block's math, so two blocks per program are in flight.
-        rows = first_row + tl.arange(0, BLOCK_ROWS)
-        mask = (rows < n_rows)[:, None] & col_mask[None, :]
-        next_d_y = tl.load(d_y_ptr + rows[:, None] * d_y_row_stride + cols[None, :], mask=mask, other=0.0)
-        next_x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-        next_rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
-        for block in range(blocks_per_program):
-            d_y = next_d_y.to(tl.float32)
-            x = next_x.to(tl.float32)
-            rstd = next_rstd
+        # STAGES: the compiler pipelines this loop, copying the next STAGES - 1 blocks of d_y and x into shared
+        # memory (cp.async) while this one is computed, so each program keeps several blocks in flight.
+        for block in tl.range(0, blocks_per_program, num_stages=STAGES):
             rows = first_row + block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
-            next_rows = rows + BLOCK_ROWS
-            next_row_mask = (next_rows < n_rows) & (block + 1 < blocks_per_program)
-            next_mask = next_row_mask[:, None] & col_mask[None, :]
-            next_d_y = tl.load(d_y_ptr + next_rows[:, None] * d_y_row_stride + cols[None, :], mask=next_mask, other=0.0)
-            next_x = tl.load(x_ptr + next_rows[:, None] * x_row_stride + cols[None, :], mask=next_mask, other=0.0)
-            next_rstd = tl.load(rstd_ptr + next_rows, mask=next_row_mask, other=0.0)
-
-            x_normed = x * rstd[:, None]
+            d_y = tl.load(d_y_ptr + rows[:, None] * d_y_row_stride + cols[None, :], mask=mask, other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            d_y = d_y.to(tl.float32)
+            x_normed = x.to(tl.float32) * rstd[:, None]
             if STORE_D_X:
                 d_x_normed = d_y * weight[None, :]
                 mean_dot = tl.sum(d_x_normed * x_normed, axis=1) / n_cols
@@ -256,6 +251,13 @@ def _rms_norm_backward_kernel(
 # Launch parameters depend on H only; computed once per width (and cleared when the constants above change).
 _CONFIGS = {}
 _SLOTS = {}
+_STAGES = {}
+
+
+def clear_launch_cache() -> None:
+    """Forget the cached launch parameters (after changing the constants above, e.g. in a benchmark sweep)."""
+    _CONFIGS.clear()
+    _STAGES.clear()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -298,6 +300,24 @@ def _program_slots(device: torch.device) -> int:
             slots = 2
         _SLOTS[device] = slots
     return slots
+
+
+def _shared_bytes_per_block(device: torch.device) -> int:
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        return getattr(properties, "shared_memory_per_block_optin", None) or 48 * 1024
+    return 64 * 1024
+
+
+def _backward_stages(n_cols: int, x_dtype, d_y_dtype, device: torch.device) -> int:
+    key = (n_cols, x_dtype, d_y_dtype, device)
+    stages = _STAGES.get(key)
+    if stages is None:
+        _, block_cols, _, _, block_rows, _, _ = _config(n_cols)
+        stage_bytes = block_rows * block_cols * (x_dtype.itemsize + d_y_dtype.itemsize)
+        budget = min(BACKWARD_SHARED_BYTES, _shared_bytes_per_block(device) // 2)
+        stages = _STAGES[key] = max(1, min(BACKWARD_STAGES, 1 + budget // stage_bytes))
+    return stages
 
 
 def _backward_grid(n_rows: int, n_cols: int, device: torch.device):
@@ -345,7 +365,8 @@ def _backward_triton(d_y, x, weight, rstd, offset, llama, needs_x, needs_w):
         d_y_rows, rows, weight, rstd, d_x, partial,
         n_rows, n_cols, d_y_rows.stride(0), rows.stride(0), blocks_per_program, offset,
         LLAMA=llama, STORE_D_X=needs_x, STORE_D_WEIGHT=needs_w,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ONE_BLOCK=one_block, num_warps=warps,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ONE_BLOCK=one_block,
+        STAGES=_backward_stages(n_cols, x.dtype, d_y.dtype, x.device), num_warps=warps,
     )  # fmt: skip
     d_weight = None
     if needs_w:  # a fixed-order sum over a fixed number of programs: deterministic
