@@ -1,8 +1,9 @@
 """RMSNorm over the last dimension: ``x_normed = x / sqrt(mean(x**2, -1) + eps)``, scaled by ``offset + weight``,
 fused forward and backward.
 
-``x`` has shape ``[*, H]`` and ``weight`` shape ``[H]``. ``x_normed`` is always computed in fp32 (fp64 when
-``x`` or ``weight`` is fp64, where the PyTorch path runs). The two castings say where the dtypes meet:
+``x`` has shape ``[*, H]`` and ``weight`` shape ``[H]``. ``x_normed`` is always computed in fp32 (in fp64 when
+``x`` or ``weight`` is fp64, on the PyTorch path; ``LlamaRMSNorm`` computes fp64 inputs in fp32). The two
+castings say where the dtypes meet:
 
 * ``casting="llama"`` (default): transformers' ``LlamaRMSNorm`` (Mistral, Qwen2/3, Phi-3, ...) exactly:
   ``(offset + weight) * x_normed.to(x.dtype)``. ``x_normed`` is rounded to ``x``'s dtype first; the product is
@@ -20,7 +21,8 @@ of ``x_normed`` passes gradients straight through.
 Backends (``_backend.use_triton``): Triton on CUDA/ROCm/XPU for fp16/bf16/fp32 ``x`` and ``weight``; the
 PyTorch path (the same math with PyTorch ops) on CPU, MPS, and for fp64. The Triton forward saves ``rstd``
 (fp32, one per row) for backward; backward writes ``d_x`` per row and reduces ``d_weight`` deterministically:
-each program sums its own rows in fp32 into one row of a ``[programs, H]`` buffer, which PyTorch then sums.
+each program (as many as the device runs at once) sums its own contiguous rows in fp32 into one row of a
+``[programs, H]`` buffer, which PyTorch then sums. No float atomics: the same inputs give the same bits.
 
 Autograd contract: a second derivative (``create_graph=True``) is computed by the PyTorch formulas, which
 are differentiable, on either backend. ``torch.func`` transforms of :func:`rms_norm` run the differentiable
@@ -109,9 +111,10 @@ def _needs_composite(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------
 # Triton kernels. A forward program normalizes BLOCK_ROWS rows; a backward program walks its own contiguous
-# range of rows, BLOCK_ROWS at a time, keeping its weight-gradient sum in registers. A row of up to
-# MAX_BLOCK_COLS columns is held in registers whole (ONE_BLOCK); wider rows are looped over in blocks of
-# MAX_BLOCK_COLS columns, twice (sum of squares, then the output), the second pass reading mostly from L2.
+# range of rows, BLOCK_ROWS at a time, with the next blocks' loads in flight through shared memory, keeping
+# its weight-gradient sum in registers. A row of up to MAX_BLOCK_COLS columns is held in registers whole
+# (ONE_BLOCK); wider rows are looped over in blocks of MAX_BLOCK_COLS columns, twice (sum of squares, then
+# the output), the second pass reading mostly from L2.
 # Offsets are int64: rows * row_stride exceeds 2**31 for large activations.
 
 MAX_BLOCK_COLS = 8192
