@@ -306,9 +306,15 @@ def _program_slots(device: torch.device) -> int:
 
 
 def _shared_bytes_per_block(device: torch.device) -> int:
+    """Shared memory a program may take: the opt-in maximum on CUDA (227 KiB on Hopper), the LDS size on
+    ROCm (which reports no opt-in figure), 64 KiB elsewhere."""
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
-        return getattr(properties, "shared_memory_per_block_optin", None) or 48 * 1024
+        for name in ("shared_memory_per_block_optin", "shared_memory_per_block"):
+            value = getattr(properties, name, None)
+            if value:
+                return value
+        return 48 * 1024
     return 64 * 1024
 
 
