@@ -1,6 +1,7 @@
 """Workers for the multi-process tests (spawned: they must live in an importable module)."""
 
 import contextlib
+import copy
 import datetime
 import json
 import types

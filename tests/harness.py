@@ -277,7 +277,7 @@ def make_inputs(n, hidden, vocab, dtype=torch.float32, case=None, ignore_every=4
     """Leaf x (n, hidden), weight (vocab, hidden), bias or None, targets with every `ignore_every`-th row
     ignored, ce_weight or None, and the keyword options of the case (without bias / ce_weight)."""
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    options = dict(CASES[case or "plain"])
+    options = dict(FLCE_CASES[case or "plain"])
     ignore_index = options.get("ignore_index", -100)
     x = torch.randn(n, hidden, generator=generator).to(device, dtype).requires_grad_()
     weight = (torch.randn(vocab, hidden, generator=generator) / hidden**0.25).to(device, dtype).requires_grad_()

@@ -266,8 +266,8 @@ def test_offline_with_local_kernels_needs_a_revision(lk, variant_root, tagged, m
 def test_unmapped_tagged_layers_are_logged_once_per_module_and_call(lk, variant_root, tagged, caplog):
     """kernels logs "No kernel mapping found" for every module of a tagged class whose name the mapping lacks,
     on every kernelize call. A Llama's RMSNorms are mapped; what remains are the names transformers tags and
-    this package does not serve: each MLP's act_fn ("SiLU") and each attention's rotary function
-    ("rotary_pos_emb"), which keep their own forward."""
+    this package does not serve: each MLP's act_fn ("SiLU"), which keeps its own forward (the MLP itself is
+    served by "SwiGLUMLP")."""
     model = LlamaForCausalLM(LlamaConfig(**SIZES))
     with (
         caplog.at_level(logging.WARNING, logger="kernels"),
@@ -276,7 +276,7 @@ def test_unmapped_tagged_layers_are_logged_once_per_module_and_call(lk, variant_
         kernelize(model, mode=Mode.TRAINING, device="cpu")
     unmapped = [r.getMessage().split("`")[1] for r in caplog.records if "No kernel mapping found" in r.getMessage()]
     layers = SIZES["num_hidden_layers"]
-    assert sorted(unmapped) == sorted(["SiLU"] * layers + ["rotary_pos_emb"] * layers)
+    assert sorted(unmapped) == ["SiLU"] * layers
 
 
 # ----------------------------------------------------------------------------------------------------------

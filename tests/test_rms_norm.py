@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import (
+from harness import (
     FLOAT_DTYPES,
     INTERPRETED,
     assert_close_to_rounding,
@@ -495,10 +495,10 @@ def test_gemma_casting_is_gemma_rms_norm(lk, dtype, backend_name):
 @pytest.fixture
 def declarations(lk):
     """Restores the layer's host registry after a test declares or classifies hosts."""
-    saved = dict(lk.layers._RMS_NORM_HOSTS)
-    yield lk.layers._RMS_NORM_HOSTS
-    lk.layers._RMS_NORM_HOSTS.clear()
-    lk.layers._RMS_NORM_HOSTS.update(saved)
+    saved = dict(lk._hosts._RMS_NORM_HOSTS)
+    yield lk._hosts._RMS_NORM_HOSTS
+    lk._hosts._RMS_NORM_HOSTS.clear()
+    lk._hosts._RMS_NORM_HOSTS.update(saved)
 
 
 def test_declared_host_is_served(lk, declarations):

@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
+from . import rms_norm as _rms_norm
 from .activations import REGISTRY
 
 # How hosts announce an activation, read from the registry: class names of activation modules, and config

@@ -16,6 +16,9 @@ from . import loss as _loss
 from . import rms_norm as _rms_norm
 from ._hosts import declare_rms_norm_host, rms_norm_host  # noqa: F401  (declare: public, here as published)
 from .gated_mlp import geglu_mlp, swiglu_mlp
+from .cross_entropy import CrossEntropyOutput  # noqa: F401  (here too, as in the published package)
+from .fused_linear_cross_entropy import liger_fused_linear_cross_entropy  # noqa: F401  (likewise)
+from .loss import LigerForCausalLMLoss  # noqa: F401  (likewise)
 from .rotary import liger_rotary_pos_emb  # also here, as in the published package
 from .tiled_mlp import apply_tiled_mlp
 
