@@ -20,6 +20,8 @@ ops: $(VENV)/.installed
 	$(PY) scripts/ops_report.py
 
 test: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest tests
 
 variants: $(VENV)/.installed

@@ -29,8 +29,9 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     args = parser.parse_args()
 
-    import build_variants
     import kernels
+
+    import build_variants
     from ddp_demo import HIDDEN, launch, run_rank
 
     with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out_dir:
@@ -38,8 +39,10 @@ def main():
         lk = kernels.get_local_kernel(Path(root))
         shards = lk._tiling.auto_num_shards(torch.empty(1, args.seq, HIDDEN))
         print(f"liger-kernels loaded through kernels {kernels.__version__} as {lk.__name__}")
-        print(f"tiny Llama (2 layers, hidden {HIDDEN}), LlamaMLP kernelized to LigerTiledSwiGLUMLP, "
-              f"{args.ranks} gloo ranks, seq {args.seq} per rank -> {shards} shards per MLP, {args.dtype}")
+        print(
+            f"tiny Llama (2 layers, hidden {HIDDEN}), LlamaMLP kernelized to LigerTiledSwiGLUMLP, "
+            f"{args.ranks} gloo ranks, seq {args.seq} per rank -> {shards} shards per MLP, {args.dtype}"
+        )
         options = {"steps": args.steps, "seq": args.seq, "dtype": args.dtype}
         logs = launch(run_rank, args.ranks, root, options, out_dir)
         print(f"{'step':>4} {'loss':>10} {'max |grad - untiled grad|':>27} {'max |weight diff|':>18} ranks agree")

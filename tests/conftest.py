@@ -3,10 +3,10 @@ environment, TRITON_INTERPRET included, before anything imports Triton)."""
 
 from pathlib import Path
 
-import harness  # noqa: F401  (first: environment)
 import kernels
 import pytest
-import torch
+
+import harness  # noqa: F401  (first: environment)
 from harness import BACKENDS, HAS_CUDA, LK, VARIANT_ROOT, backend, poisoned_outputs, skip_unless_runnable
 
 

@@ -21,9 +21,12 @@ def gloo_group(rank, world, port, seconds=60, backend="gloo"):
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=seconds),
-    )  # fmt: skip
+    )
     try:
         yield
         dist.barrier()
@@ -53,12 +56,19 @@ def uneven_sequences(rank, world, port, variant_root, options, out_dir):
         module_ref = GatedMLP(64, 96).double()
         module_ref.load_state_dict(module.state_dict())
         module_ref(ref).sum().backward()
-        diff = max((x.grad - ref.grad).abs().max().item(), *[
-            (p.grad - q.grad).abs().max().item() for p, q in zip(module.parameters(), module_ref.parameters())
-        ])  # fmt: skip
+        diff = max(
+            (x.grad - ref.grad).abs().max().item(),
+            *[(p.grad - q.grad).abs().max().item() for p, q in zip(module.parameters(), module_ref.parameters())],
+        )
         logged = torch.tensor([float(rank + 1)])
         dist.all_reduce(logged)
-        result = {"forward_calls": forward_calls, "total_calls": len(calls), "rows": calls, "diff": diff, "logged": logged.item()}
+        result = {
+            "forward_calls": forward_calls,
+            "total_calls": len(calls),
+            "rows": calls,
+            "diff": diff,
+            "logged": logged.item(),
+        }
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -91,19 +101,23 @@ def _device(options, rank):
     return torch.device("cuda", rank) if options.get("backend") == "nccl" else torch.device("cpu")
 
 
-def _models(options, variant_root, device=torch.device("cpu")):
+def _models(options, variant_root, device=None):
     """(model with tiled MLPs, untiled reference, the units to shard, loss_of(model, rank, micro))."""
     import copy
 
+    device = torch.device("cpu") if device is None else device
     lk = kernels.get_local_kernel(variant_root)
     torch.manual_seed(0)
     if options["model"] == "llama":
-        from ddp_demo import kernelize_tiled, tiny_llama_config
         from transformers import LlamaForCausalLM
+
+        from ddp_demo import kernelize_tiled, tiny_llama_config
 
         reference = LlamaForCausalLM(tiny_llama_config())
         model = kernelize_tiled(copy.deepcopy(reference), variant_root)
-        units = list(model.model.layers) if options.get("wrap") == "layers" else [layer.mlp for layer in model.model.layers]
+        units = (
+            list(model.model.layers) if options.get("wrap") == "layers" else [layer.mlp for layer in model.model.layers]
+        )
 
         def loss_of(m, r, micro):
             ids = torch.randint(0, 97, (1, 256), generator=torch.Generator().manual_seed(10 * micro + r))
@@ -145,9 +159,12 @@ def _engine_run(rank, world, variant_root, options):
         fully_shard(model, reshard_after_forward=options.get("reshard", True))
         wrapped, full = model, lambda t: t.full_tensor()
     else:
-        wrapped = DDP(model, device_ids=[rank] if device.type == "cuda" else None,
-                      find_unused_parameters=options.get("find_unused_parameters", False),
-                      static_graph=options.get("static_graph", False))  # fmt: skip
+        wrapped = DDP(
+            model,
+            device_ids=[rank] if device.type == "cuda" else None,
+            find_unused_parameters=options.get("find_unused_parameters", False),
+            static_graph=options.get("static_graph", False),
+        )
         full = lambda t: t  # noqa: E731
 
     micro_batches = options.get("micro_batches", 1)
@@ -209,8 +226,9 @@ def zero_case(rank, world, port, variant_root, options, out_dir):
     import copy
     import os
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     import deepspeed
 
     if options.get("backend") == "nccl":
@@ -242,11 +260,14 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
     if options.get("bucket"):
-        config["zero_optimization"].update(reduce_bucket_size=options["bucket"], allgather_bucket_size=options["bucket"])
+        config["zero_optimization"].update(
+            reduce_bucket_size=options["bucket"], allgather_bucket_size=options["bucket"]
+        )
     torch.manual_seed(0)
     if options["model"] == "llama":
-        from ddp_demo import kernelize_tiled, tiny_llama_config
         from transformers import LlamaForCausalLM
+
+        from ddp_demo import kernelize_tiled, tiny_llama_config
 
         reference = LlamaForCausalLM(tiny_llama_config())
         build = lambda: kernelize_tiled(copy.deepcopy(reference), variant_root)  # noqa: E731
@@ -271,7 +292,9 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
 
     freeze = options.get("freeze")
     for name, p in reference.named_parameters():
-        if (freeze == "embed_norm" and ("embed" in name or "norm" in name)) or (freeze == "non_mlp" and ".mlp." not in name):
+        if (freeze == "embed_norm" and ("embed" in name or "norm" in name)) or (
+            freeze == "non_mlp" and ".mlp." not in name
+        ):
             p.requires_grad_(False)
     if options.get("zero_init"):
         with deepspeed.zero.Init(config_dict_or_path=config):
@@ -284,8 +307,9 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
     for p, q in zip(model.parameters(), reference.parameters()):
         p.requires_grad_(q.requires_grad)
     reference.to(device)
-    engine, *_ = deepspeed.initialize(model=model, config=config,
-                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine, *_ = deepspeed.initialize(
+        model=model, config=config, model_parameters=[p for p in model.parameters() if p.requires_grad]
+    )
     partitioned = stage != 3 or all(p.numel() == 0 for p in engine.module.parameters())
     for micro in range(accumulation):
         engine.backward(loss_of(engine, rank, micro))
@@ -328,8 +352,9 @@ def ddp_fused_loss(rank, world, port, variant_root, options, out_dir):
     """DDP over CausalLMWithFusedLoss(tiny Llama), float64, against the loss on the model's logits for every
     rank's batch in one process: DDP averages the ranks' gradients, so the reference sums loss_r / world."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from ddp_demo import tiny_llama_config
     from transformers import LlamaForCausalLM
+
+    from ddp_demo import tiny_llama_config
 
     with gloo_group(rank, world, port):
         lk = kernels.get_local_kernel(Path(variant_root))

@@ -210,6 +210,7 @@ def check_op(lk, op, a, b, dtype, backend_name, bound="rounding"):
 # ----------------------------------------------------------------------------------------------------------
 # The tiled MLP: models and comparisons (single process and distributed).
 
+
 class DropoutGatedMLP(GatedMLP):
     """Dropout on the hidden activations: for apply_tiled_mlp with a generic fn (the layers refuse this form)."""
 
@@ -267,7 +268,11 @@ FLCE_CASES = {
     "softcap": {"softcap": 3.0},
     "token_scaling": {"use_token_scaling": True},
     "everything": {
-        "bias": True, "ce_weight": True, "label_smoothing": 0.1, "lse_square_scale": 1e-2, "softcap": 4.0,
+        "bias": True,
+        "ce_weight": True,
+        "label_smoothing": 0.1,
+        "lse_square_scale": 1e-2,
+        "softcap": 4.0,
         "use_token_scaling": True,
     },
 }
@@ -281,22 +286,35 @@ def make_inputs(n, hidden, vocab, dtype=torch.float32, case=None, ignore_every=4
     ignore_index = options.get("ignore_index", -100)
     x = torch.randn(n, hidden, generator=generator).to(device, dtype).requires_grad_()
     weight = (torch.randn(vocab, hidden, generator=generator) / hidden**0.25).to(device, dtype).requires_grad_()
-    bias = torch.randn(vocab, generator=generator).to(device, dtype).requires_grad_() if options.pop("bias", False) else None
+    bias = (
+        torch.randn(vocab, generator=generator).to(device, dtype).requires_grad_()
+        if options.pop("bias", False)
+        else None
+    )
     target = torch.randint(0, vocab, (n,), generator=generator)
     target[::ignore_every] = ignore_index  # (a class index as ignore_index also ignores rows drawn with it)
     ce_weight = torch.rand(vocab, generator=generator) + 0.5 if options.pop("ce_weight", False) else None
     return x, weight, bias, target.to(device), None if ce_weight is None else ce_weight.to(device), options
 
 
-def reference_rows(logits, target, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
-                   softcap=None, use_token_scaling=False):  # fmt: skip
+def reference_rows(
+    logits,
+    target,
+    ce_weight=None,
+    ignore_index=-100,
+    lse_square_scale=0.0,
+    label_smoothing=0.0,
+    softcap=None,
+    use_token_scaling=False,
+):
     """(ce rows, z rows) in float64 from F.cross_entropy(reduction="none"), zero for ignored rows."""
     logits = logits.double()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     weight = None if ce_weight is None else ce_weight.double()
-    ce = F.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                         reduction="none")  # fmt: skip
+    ce = F.cross_entropy(
+        logits, target, weight=weight, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
+    )
     kept = target != ignore_index
     lse = torch.logsumexp(logits, -1)
     z = torch.where(kept, lse_square_scale * lse**2, 0.0)
@@ -321,8 +339,13 @@ def reference_loss(logits, target, reduction="mean", ce_weight=None, ignore_inde
         capped = logits.double()
         if options.get("softcap") is not None:
             capped = options["softcap"] * torch.tanh(capped / options["softcap"])
-        direct = F.cross_entropy(capped, target, weight=None if ce_weight is None else ce_weight.double(),
-                                 ignore_index=ignore_index, label_smoothing=options.get("label_smoothing", 0.0))  # fmt: skip
+        direct = F.cross_entropy(
+            capped,
+            target,
+            weight=None if ce_weight is None else ce_weight.double(),
+            ignore_index=ignore_index,
+            label_smoothing=options.get("label_smoothing", 0.0),
+        )
         torch.testing.assert_close(loss - z.sum() / kept.sum(), direct, rtol=1e-12, atol=0, equal_nan=True)
     return loss
 

@@ -9,6 +9,19 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers.models.t5.modeling_t5 import T5LayerNorm
+
 from harness import (
     FLOAT_DTYPES,
     INTERPRETED,
@@ -20,21 +33,9 @@ from harness import (
     quantize,
     rel_err,
     truncates_bf16,
-)  # fmt: skip
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+)
 from test_gated import CountingAllocator
 from test_layers import bind
-from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from transformers.models.mistral.modeling_mistral import MistralRMSNorm
-from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 CASTINGS = ("llama", "gemma")
 LAYOUTS = ("one block", "rows", "looped")
@@ -112,8 +113,9 @@ def expected_dtypes(x_dtype, weight_dtype, casting):
     return out_dtype, llama and out_dtype != x_dtype
 
 
-def check_rms_norm(lk, x, weight, casting="llama", offset=0.0, eps=1e-6, backend_name="torch", bound="rounding",
-                   call=None):  # fmt: skip
+def check_rms_norm(
+    lk, x, weight, casting="llama", offset=0.0, eps=1e-6, backend_name="torch", bound="rounding", call=None
+):
     """Forward and both gradients against float64.
 
     Where the output dtype is x's (same-dtype llama, gemma), the llama rounding of x_normed is part of the
@@ -171,10 +173,14 @@ def test_matches_float64_reference(lk, dtype, casting, layout, backend_name):
 
 @pytest.mark.parametrize(
     "x_dtype, weight_dtype",
-    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float32),
-     (torch.bfloat16, torch.float16)],
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float16),
+    ],
     ids=str,
-)  # fmt: skip
+)
 @pytest.mark.parametrize("casting", CASTINGS)
 def test_mixed_dtypes(lk, x_dtype, weight_dtype, casting, backend_name):
     """A weight of another dtype (fp32 norms on bf16 activations): llama's output dtype is the promotion of
@@ -424,8 +430,12 @@ def run(module, x, d_out):
     return [out, *torch.autograd.grad(out, (x, module.weight), d_out)]
 
 
-DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-               (torch.bfloat16, torch.float32)]  # fmt: skip
+DTYPE_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32),
+]
 
 
 @pytest.mark.parametrize("x_dtype, weight_dtype", DTYPE_PAIRS, ids=str)
@@ -443,7 +453,9 @@ def test_layer_equals_host_bit_for_bit_on_the_pytorch_path(lk, host_name, x_dtyp
         got = run(fused, x, d_out)
     want = run(host, x, d_out)
     assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
-    x64, w64, ref = reference(x, host.weight, host.variance_epsilon, 0.0, x_dtype if casting == "llama" and not coarse else None)
+    x64, w64, ref = reference(
+        x, host.weight, host.variance_epsilon, 0.0, x_dtype if casting == "llama" and not coarse else None
+    )
     exact = [ref, *torch.autograd.grad(ref, (x64, w64), d_out.double())]
     for what, g, e, w in zip(("d_x", "d_weight"), got[1:], want[1:], exact[1:]):
         assert g.dtype == e.dtype
@@ -451,8 +463,11 @@ def test_layer_equals_host_bit_for_bit_on_the_pytorch_path(lk, host_name, x_dtyp
         assert rel_err(g, w) <= bound, f"{host_name} {what}: {rel_err(g, w):.3e} > {bound:.3e}"
 
 
-@pytest.mark.parametrize("x_dtype, weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
-                                                   (torch.float16, torch.float32)], ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "x_dtype, weight_dtype",
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float16, torch.float32)],
+    ids=str,
+)
 @pytest.mark.parametrize("host_name", ["llama", "qwen2", "deepseek_v4"])
 def test_layer_parity_with_host_on_triton(lk, host_name, x_dtype, weight_dtype):
     """The Triton kernels bound to the host: output and both gradients no worse than the eager host's
@@ -468,7 +483,9 @@ def test_layer_parity_with_host_on_triton(lk, host_name, x_dtype, weight_dtype):
     with backend("triton"):
         got = run(fused, x, d_out)
     want = run(host, x, d_out)
-    x64, w64, ref = reference(x, host.weight, host.variance_epsilon, 0.0, x_dtype if casting == "llama" and not coarse else None)
+    x64, w64, ref = reference(
+        x, host.weight, host.variance_epsilon, 0.0, x_dtype if casting == "llama" and not coarse else None
+    )
     exact = [ref, *torch.autograd.grad(ref, (x64, w64), d_out.double())]
     for what, g, e, w in zip(("out", "d_x", "d_weight"), got, want, exact):
         assert g.dtype == e.dtype
@@ -540,7 +557,10 @@ class DecoratedRMSNorm(LlamaRMSNorm):
 
 def sourceless_host():
     namespace = {"LlamaRMSNorm": LlamaRMSNorm, "torch": torch}
-    exec("class SourcelessRMSNorm(LlamaRMSNorm):\n    def forward(self, hidden_states):\n        return hidden_states", namespace)  # noqa: S102  # fmt: skip
+    exec(
+        "class SourcelessRMSNorm(LlamaRMSNorm):\n    def forward(self, hidden_states):\n        return hidden_states",
+        namespace,
+    )  # noqa: S102
     return namespace["SourcelessRMSNorm"](HIDDEN)
 
 
@@ -604,8 +624,14 @@ def test_every_transformers_rms_norm_is_recognized(lk, declarations):
         assert getattr(cls, "kernel_layer_name", None) == "RMSNorm"
 
 
-TINY_LLAMA = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+TINY_LLAMA = {
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 @pytest.mark.parametrize("mode", ["INFERENCE", "TRAINING"])
@@ -733,7 +759,7 @@ def test_cuda_matches_float64_reference(lk, shape, casting, cuda_auto):
     "x_dtype, weight_dtype",
     [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.float32)],
     ids=str,
-)  # fmt: skip
+)
 @pytest.mark.parametrize("shape", [(4096, 4096), (3, 70001), (20000, 128)], ids=lambda s: "x".join(map(str, s)))
 def test_cuda_other_dtypes(lk, shape, x_dtype, weight_dtype, cuda_auto):
     torch.manual_seed(0)
@@ -758,7 +784,9 @@ def test_cuda_weight_gradient_is_deterministic(lk, cuda_auto):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("x_dtype, weight_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)], ids=str)
+@pytest.mark.parametrize(
+    "x_dtype, weight_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)], ids=str
+)
 @pytest.mark.parametrize("host_name", ["llama", "deepseek_v4"])
 def test_cuda_layer_parity_with_host(lk, host_name, x_dtype, weight_dtype, cuda_auto):
     cls, casting = HOSTS[host_name]
@@ -768,7 +796,9 @@ def test_cuda_layer_parity_with_host(lk, host_name, x_dtype, weight_dtype, cuda_
     out_dtype, coarse = expected_dtypes(x_dtype, weight_dtype, casting)
     d_out = torch.randn(4, 2048, 4096, device="cuda").to(out_dtype)
     got, want = run(fused, x, d_out), run(host, x, d_out)
-    x64, w64, ref = reference(x, host.weight, host.variance_epsilon, 0.0, x_dtype if casting == "llama" and not coarse else None)
+    x64, w64, ref = reference(
+        x, host.weight, host.variance_epsilon, 0.0, x_dtype if casting == "llama" and not coarse else None
+    )
     exact = [ref, *torch.autograd.grad(ref, (x64, w64), d_out.double())]
     for what, g, e, w in zip(("out", "d_x", "d_weight"), got, want, exact):
         assert g.dtype == e.dtype
@@ -802,4 +832,3 @@ def test_cuda_double_backward(lk, cuda_auto):
     want = torch.autograd.grad((d_x64 * v.double()).sum(), (x64, w64))
     for g, w in zip(got, want):
         assert rel_err(g, w) < 1e-5
-

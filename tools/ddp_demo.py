@@ -85,9 +85,12 @@ def run_rank(rank, world, port, variant_root, options, out_dir):
     faulthandler.dump_traceback_later(options.get("dump_after_s", 200), exit=False)  # where a hang hangs
     logging.getLogger("kernels").setLevel(logging.ERROR)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
+    )
     try:
         log = train(rank, world, Path(variant_root), options)
         gc.collect()  # DDP's reducer must go while its process group still exists, or teardown can hang
@@ -146,10 +149,15 @@ def train(rank, world, variant_root, options):
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
-        log.append({
-            "step": step, "loss": loss_sum.item() / (world * micro_batches), "grad_diff": grad_diff,
-            "weight_diff": weight_diff, "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
-        })  # fmt: skip
+        log.append(
+            {
+                "step": step,
+                "loss": loss_sum.item() / (world * micro_batches),
+                "grad_diff": grad_diff,
+                "weight_diff": weight_diff,
+                "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
+            }
+        )
     return log
 
 

@@ -42,6 +42,7 @@ from .layers import (
 )
 from .loss import CausalLMWithFusedLoss, LigerForCausalLMLoss, causal_lm_loss
 from .mapping import kernel_mapping, register_kernel_mapping
+
 # The function, not its module, is the package's `rms_norm` (the module: sys.modules[__name__ + ".rms_norm"]).
 from .rms_norm import LigerRMSNormFunction, rms_norm
 from .rotary import liger_rotary_pos_emb

@@ -16,7 +16,7 @@ serve hosts whose own forward it reproduces exactly. Two things are read from th
 import ast
 import inspect
 import textwrap
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ _BY_CONFIG = {name: a.name for a in REGISTRY.values() for name in a.config_names
 _ACTIVATION_ATTRIBUTES = ("act_fn", "activation_fn")
 
 
-def host_activation(module: nn.Module) -> Optional[str]:
+def host_activation(module: nn.Module) -> str | None:
     """The registry name of the gated activation ``module`` computes, None when the module does not say, or
     a string describing an activation this package lacks."""
     for attribute in _ACTIVATION_ATTRIBUTES:
@@ -123,7 +123,7 @@ def _return_term(function: ast.FunctionDef):
     raise _Unknown("no return statement")
 
 
-def _match_gated(term) -> Optional[str]:
+def _match_gated(term) -> str | None:
     x = ("x",)
     if term[0] != "call" or term[1] != "down_proj" or term[2][0] != "mul":
         return None
@@ -138,8 +138,8 @@ def _match_gated(term) -> Optional[str]:
 
 
 class HostForm(NamedTuple):
-    form: Optional[str]  # SEPARATE / FUSED for a gated MLP; None for a host without a forward of its own
-    problem: Optional[str]  # why the host is refused, or None
+    form: str | None  # SEPARATE / FUSED for a gated MLP; None for a host without a forward of its own
+    problem: str | None  # why the host is refused, or None
 
 
 _GATED_FORMS = {}  # host class -> HostForm
@@ -212,32 +212,44 @@ def is_plain_linear(module) -> bool:
 _EPS_ATTRIBUTES = ("variance_epsilon", "eps")
 _RMS_NORM_FORMS = (  # (forward, casting, offset). `self.eps` stands for either attribute above.
     # LlamaRMSNorm (Mistral, Qwen2/3, Phi-3, ...): the weight times x_normed rounded to the input dtype.
-    ("""
+    (
+        """
 def forward(self, x):
     dtype = x.dtype
     x = x.to(torch.float32)
     mean_square = x.pow(2).mean(-1, keepdim=True)
     x = x * torch.rsqrt(mean_square + self.eps)
     return self.weight * x.to(dtype)
-""", "llama", 0.0),
+""",
+        "llama",
+        0.0,
+    ),
     # The product in fp32, rounded once (OLMo hybrid, FlexOlmo, DeepSeek-V4, NemotronH, ...): rms_norm's
     # "gemma" casting with offset 0.
-    ("""
+    (
+        """
 def forward(self, x):
     dtype = x.dtype
     x = x.to(torch.float32)
     mean_square = x.pow(2).mean(-1, keepdim=True)
     x = x * torch.rsqrt(mean_square + self.eps)
     return (self.weight * x).to(dtype)
-""", "gemma", 0.0),
-    ("""
+""",
+        "gemma",
+        0.0,
+    ),
+    (
+        """
 def forward(self, x):
     dtype = x.dtype
     x = x.to(torch.float32)
     mean_square = x.pow(2).mean(-1, keepdim=True)
     x = x * torch.rsqrt(mean_square + self.eps)
     return (self.weight.to(torch.float32) * x).to(dtype)
-""", "gemma", 0.0),
+""",
+        "gemma",
+        0.0,
+    ),
 )
 
 
@@ -302,13 +314,18 @@ _RMS_NORM_HOSTS = {}  # host class -> (casting, offset, epsilon attribute, "" or
 
 def _classify_rms_norm_host(cls) -> tuple:
     def refused(why):
-        return (None, 0.0, None, (
-            f"LigerRMSNorm reproduces LlamaRMSNorm's weight * x_normed.to(x.dtype) and the fp32 product "
-            f"(weight * x_normed).to(x.dtype), but the host {cls.__module__}.{cls.__qualname__} {why}; "
-            f"leave this module unmapped (do not kernelize its "
-            f"\"RMSNorm\" layer), or, if its forward is one of rms_norm's castings, declare it with "
-            f"layers.declare_rms_norm_host({cls.__qualname__}, casting=..., offset=..., eps_attribute=...)"
-        ))  # fmt: skip
+        return (
+            None,
+            0.0,
+            None,
+            (
+                f"LigerRMSNorm reproduces LlamaRMSNorm's weight * x_normed.to(x.dtype) and the fp32 product "
+                f"(weight * x_normed).to(x.dtype), but the host {cls.__module__}.{cls.__qualname__} {why}; "
+                f"leave this module unmapped (do not kernelize its "
+                f'"RMSNorm" layer), or, if its forward is one of rms_norm\'s castings, declare it with '
+                f"layers.declare_rms_norm_host({cls.__qualname__}, casting=..., offset=..., eps_attribute=...)"
+            ),
+        )
 
     try:
         source = inspect.getsource(cls.forward)

@@ -7,7 +7,6 @@ the math lives in module-level functions (gated_mlp.py for the MLPs). Each layer
 refuses, with a message, one whose forward it would not reproduce (``_hosts``).
 """
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,9 +14,9 @@ from torch import nn
 from . import loss as _loss
 from . import rms_norm as _rms_norm
 from ._hosts import declare_rms_norm_host, rms_norm_host  # noqa: F401  (declare: public, here as published)
-from .gated_mlp import geglu_mlp, swiglu_mlp
 from .cross_entropy import CrossEntropyOutput  # noqa: F401  (here too, as in the published package)
 from .fused_linear_cross_entropy import liger_fused_linear_cross_entropy  # noqa: F401  (likewise)
+from .gated_mlp import geglu_mlp, swiglu_mlp
 from .loss import LigerForCausalLMLoss  # noqa: F401  (likewise)
 from .rotary import liger_rotary_pos_emb  # also here, as in the published package
 from .tiled_mlp import apply_tiled_mlp
@@ -123,10 +122,12 @@ class LigerForCausalLMLossLayer(nn.Module):
     can_torch_compile = True
     has_backward = True
 
-    def forward(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                **kwargs):  # fmt: skip
-        return _loss.LigerForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
-                                          shift_labels, **kwargs)  # fmt: skip
+    def forward(
+        self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+    ):
+        return _loss.LigerForCausalLMLoss(
+            logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -134,10 +134,21 @@ BACKWARD_SHARED_BYTES = 96 * 1024
 
 @jit
 def _rms_norm_forward_kernel(
-    x_ptr, weight_ptr, y_ptr, rstd_ptr,
-    n_rows, n_cols, x_row_stride, eps, offset,
-    LLAMA: constexpr, STORE_RSTD: constexpr, BLOCK_ROWS: constexpr, BLOCK_COLS: constexpr, ONE_BLOCK: constexpr,
-):  # fmt: skip
+    x_ptr,
+    weight_ptr,
+    y_ptr,
+    rstd_ptr,
+    n_rows,
+    n_cols,
+    x_row_stride,
+    eps,
+    offset,
+    LLAMA: constexpr,
+    STORE_RSTD: constexpr,
+    BLOCK_ROWS: constexpr,
+    BLOCK_COLS: constexpr,
+    ONE_BLOCK: constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     x_rows = x_ptr + rows[:, None] * x_row_stride
@@ -180,11 +191,26 @@ def _rms_norm_forward_kernel(
 
 @jit
 def _rms_norm_backward_kernel(
-    d_y_ptr, x_ptr, weight_ptr, rstd_ptr, d_x_ptr, d_weight_ptr,
-    n_rows, n_cols, d_y_row_stride, x_row_stride, blocks_per_program, offset,
-    LLAMA: constexpr, STORE_D_X: constexpr, STORE_D_WEIGHT: constexpr,
-    BLOCK_ROWS: constexpr, BLOCK_COLS: constexpr, ONE_BLOCK: constexpr, STAGES: constexpr,
-):  # fmt: skip
+    d_y_ptr,
+    x_ptr,
+    weight_ptr,
+    rstd_ptr,
+    d_x_ptr,
+    d_weight_ptr,
+    n_rows,
+    n_cols,
+    d_y_row_stride,
+    x_row_stride,
+    blocks_per_program,
+    offset,
+    LLAMA: constexpr,
+    STORE_D_X: constexpr,
+    STORE_D_WEIGHT: constexpr,
+    BLOCK_ROWS: constexpr,
+    BLOCK_COLS: constexpr,
+    ONE_BLOCK: constexpr,
+    STAGES: constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     first_row = pid * blocks_per_program * BLOCK_ROWS
     d_weight_row = d_weight_ptr + pid * n_cols
@@ -282,10 +308,14 @@ def _config(n_cols: int):
         backward_rows = min(MAX_BLOCK_ROWS, max(1, BACKWARD_TILE // block_cols)) if one_block else 1
         backward_warps = _warps(backward_rows * block_cols)
         config = _CONFIGS[n_cols] = (
-            one_block, block_cols,
-            forward_rows, _warps(forward_rows * block_cols),
-            backward_rows, backward_warps, max(1, BACKWARD_THREADS_PER_SM // (32 * backward_warps)),
-        )  # fmt: skip
+            one_block,
+            block_cols,
+            forward_rows,
+            _warps(forward_rows * block_cols),
+            backward_rows,
+            backward_warps,
+            max(1, BACKWARD_THREADS_PER_SM // (32 * backward_warps)),
+        )
     return config
 
 
@@ -355,11 +385,22 @@ def _forward_triton(x, weight, eps, offset, llama, store_rstd):
     y = _backend.new_tensor(x.shape, dtype=_out_dtype(x, weight, llama), device=x.device)
     rstd = _backend.new_tensor((n_rows,), dtype=torch.float32, device=x.device) if store_rstd else y
     _rms_norm_forward_kernel[(_cdiv(n_rows, block_rows),)](
-        rows, weight, y, rstd,
-        n_rows, n_cols, rows.stride(0), eps, offset,
-        LLAMA=llama, STORE_RSTD=store_rstd, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ONE_BLOCK=one_block,
+        rows,
+        weight,
+        y,
+        rstd,
+        n_rows,
+        n_cols,
+        rows.stride(0),
+        eps,
+        offset,
+        LLAMA=llama,
+        STORE_RSTD=store_rstd,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        ONE_BLOCK=one_block,
         num_warps=warps,
-    )  # fmt: skip
+    )
     return y, (rstd if store_rstd else None)
 
 
@@ -371,12 +412,27 @@ def _backward_triton(d_y, x, weight, rstd, offset, llama, needs_x, needs_w):
     d_x = _backend.new_tensor(x.shape, dtype=x.dtype, device=x.device) if needs_x else rows
     partial = _backend.new_tensor((programs, n_cols), dtype=torch.float32, device=x.device) if needs_w else rows
     _rms_norm_backward_kernel[(programs,)](
-        d_y_rows, rows, weight, rstd, d_x, partial,
-        n_rows, n_cols, d_y_rows.stride(0), rows.stride(0), blocks_per_program, offset,
-        LLAMA=llama, STORE_D_X=needs_x, STORE_D_WEIGHT=needs_w,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ONE_BLOCK=one_block,
-        STAGES=_backward_stages(n_cols, x.dtype, d_y.dtype, x.device), num_warps=warps,
-    )  # fmt: skip
+        d_y_rows,
+        rows,
+        weight,
+        rstd,
+        d_x,
+        partial,
+        n_rows,
+        n_cols,
+        d_y_rows.stride(0),
+        rows.stride(0),
+        blocks_per_program,
+        offset,
+        LLAMA=llama,
+        STORE_D_X=needs_x,
+        STORE_D_WEIGHT=needs_w,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        ONE_BLOCK=one_block,
+        STAGES=_backward_stages(n_cols, x.dtype, d_y.dtype, x.device),
+        num_warps=warps,
+    )
     d_weight = None
     if needs_w:  # a fixed-order sum over a fixed number of programs: deterministic
         d_weight = (partial.sum(0) if programs > 1 else partial[0]).to(weight.dtype)
@@ -483,9 +539,14 @@ def _(x, weight, eps, offset, llama):
 
 @torch.library.custom_op(f"{NAMESPACE}::rms_norm_backward", mutates_args=())
 def rms_norm_backward_op(
-    d_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, eps: float, offset: float,
+    d_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    offset: float,
     llama: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     return norm_backward(d_y, x, weight, rstd, eps, offset, llama)
 
 
