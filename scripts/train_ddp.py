@@ -40,10 +40,11 @@ def main():
         shards = lk._tiling.auto_num_shards(torch.empty(1, args.seq, HIDDEN))
         print(f"liger-kernels loaded through kernels {kernels.__version__} as {lk.__name__}")
         print(
-            f"tiny Llama (2 layers, hidden {HIDDEN}), LlamaMLP kernelized to LigerTiledSwiGLUMLP, "
+            f"tiny Llama (2 layers, hidden {HIDDEN}), LlamaMLP kernelized to LigerTiledSwiGLUMLP, loss through "
+            "lk.causal_lm_loss (no logits), "
             f"{args.ranks} gloo ranks, seq {args.seq} per rank -> {shards} shards per MLP, {args.dtype}"
         )
-        options = {"steps": args.steps, "seq": args.seq, "dtype": args.dtype}
+        options = {"steps": args.steps, "seq": args.seq, "dtype": args.dtype, "fused_loss": True}
         logs = launch(run_rank, args.ranks, root, options, out_dir)
         print(f"{'step':>4} {'loss':>10} {'max |grad - untiled grad|':>27} {'max |weight diff|':>18} ranks agree")
         for entry in logs[0]:

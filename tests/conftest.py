@@ -1,12 +1,15 @@
 """pytest's fixtures and hooks; the shared helpers are in harness.py (imported first: it sets up the
 environment, TRITON_INTERPRET included, before anything imports Triton)."""
 
+# isort: off
+import harness  # noqa: F401  (first: it sets HF_HUB_OFFLINE and TRITON_INTERPRET before kernels or Triton load)
+
+# isort: on
 from pathlib import Path
 
 import kernels
 import pytest
 
-import harness  # noqa: F401  (first: environment)
 from harness import BACKENDS, HAS_CUDA, LK, VARIANT_ROOT, backend, poisoned_outputs, skip_unless_runnable
 
 

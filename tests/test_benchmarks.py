@@ -30,7 +30,7 @@ def test_scripts_cover_every_op():
 @pytest.mark.parametrize("cls", list(benchmark_classes()))
 def test_benchmark_workloads_verify(lk, cls):
     small = type(cls.__name__, (cls,), {k: v for k, v in SMALL.items() if hasattr(cls, k)})
-    workloads = [name[len("benchmark_"):] for name in dir(small) if name.startswith("benchmark_")]
+    workloads = [name[len("benchmark_") :] for name in dir(small) if name.startswith("benchmark_")]
     assert workloads
     for workload in workloads:
         instance = small()

@@ -145,6 +145,21 @@ def test_readme_mapping_table_is_the_package_table(lk):
     assert table == lk.mapping.LAYERS
 
 
+def test_readme_activation_table_is_the_registry(lk):
+    """One row per registered activation, naming what hosts announce it as (CONTRIBUTING.md's recipe)."""
+    text = (ROOT / "README.md").read_text()
+    header = "| activation | `gated_mul` name | transformers hosts announce it as |"
+    assert text.count(header) == 1
+    rows = text.split(header)[1].split("\n\n")[0].splitlines()[2:]
+    table = {}
+    for row in rows:
+        description, name, announced = (cell.strip() for cell in row.strip("|").split("|"))
+        table[name.strip("`")] = (description, sorted(n.strip("` ") for n in announced.replace(";", ",").split(",")))
+    assert table == {
+        name: (a.description, sorted([*a.host_classes, *a.config_names])) for name, a in lk.activations.REGISTRY.items()
+    }
+
+
 def test_readme_links_stay_in_the_repository():
     text = (ROOT / "README.md").read_text()
     assert "../" not in text

@@ -31,7 +31,9 @@ FUNC = modeling_llama.apply_rotary_pos_emb
 
 
 def transformers_rope(q, k, cos, sin, unsqueeze_dim=1):
-    return type(FUNC).forward(None, q, k, cos, sin, unsqueeze_dim)
+    if isinstance(FUNC, torch.nn.Module):  # transformers >= 5.22 makes the tagged function a module
+        return type(FUNC).forward(None, q, k, cos, sin, unsqueeze_dim)
+    return FUNC(q, k, cos, sin, unsqueeze_dim)  # earlier releases: the plain function
 
 
 def gpt_oss_rope(q, k, cos, sin, unsqueeze_dim=1):

@@ -113,6 +113,13 @@ def train(rank, world, variant_root, options):
         for name, p in list(model.named_parameters()) + list(reference.named_parameters()):
             if frozen in name:
                 p.requires_grad_(False)
+    # fused_loss: the loss through the package's one call for a stock CausalLM (decoder, then the fused linear
+    # cross-entropy on the LM head: the logits are never built); DDP wraps the module that computes it.
+    fused = options.get("fused_loss", False)
+    if fused:
+        import kernels
+
+        model = kernels.get_local_kernel(variant_root).CausalLMWithFusedLoss(model)
     ddp = DDP(
         model,
         find_unused_parameters=options.get("find_unused_parameters", False),
@@ -130,7 +137,7 @@ def train(rank, world, variant_root, options):
             ids = batch(rank, step, micro, seq)
             sync = ddp.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext()
             with sync:
-                loss = ddp(input_ids=ids, labels=ids).loss
+                loss = ddp(input_ids=ids, labels=ids) if fused else ddp(input_ids=ids, labels=ids).loss
                 loss.backward()
             loss_sum += loss.detach().double()
             for r in range(world):  # the reference sees the global batch: the mean over ranks
