@@ -78,12 +78,12 @@ def main():
         for backend, label in (("auto", "pytorch (default)"), ("triton", "triton (interpreted)")):
             if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
                 continue
-            os.environ["LIGER_KERNELS_BACKEND"] = backend
+            lk._backend.set_backend(backend)
             for name, apply, reference in ops:
                 for dtype in (torch.float32, torch.bfloat16):
                     errors = op_errors(apply, reference, dtype)
                     print(f"{name:<12} {label:<20} {str(dtype)[6:]:<9} " + " ".join(f"{e:9.2e}" for e in errors))
-        os.environ["LIGER_KERNELS_BACKEND"] = "auto"
+        lk._backend.set_backend("auto")
         if os.environ.get("TRITON_INTERPRET") == "1":
             print("(Triton's interpreter casts fp32 to bf16 by truncation; compiled Triton rounds to nearest,")
             print(" which halves the interpreted bf16 errors above: see tests/test_gpu.py on a GPU.)")

@@ -49,15 +49,12 @@ DIST_BACKEND = os.environ.get("LIGER_TEST_DIST_BACKEND", "gloo")  # "nccl" runs 
 @contextlib.contextmanager
 def backend(name: str):
     """Run the ops with the PyTorch path ("torch") or the Triton kernels ("triton")."""
-    old = os.environ.get("LIGER_KERNELS_BACKEND")
-    os.environ["LIGER_KERNELS_BACKEND"] = name
+    previous = LK._backend.requested_backend()
+    LK._backend.set_backend(name)
     try:
         yield
     finally:
-        if old is None:
-            del os.environ["LIGER_KERNELS_BACKEND"]
-        else:
-            os.environ["LIGER_KERNELS_BACKEND"] = old
+        LK._backend.set_backend(previous)
 
 
 def skip_unless_runnable(name: str, device: str = "cpu") -> None:

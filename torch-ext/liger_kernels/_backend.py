@@ -4,7 +4,8 @@
 * Everything else (CPU, MPS/Metal, float64, or a machine without Triton) runs the PyTorch implementation,
   which has the same semantics and the same autograd contract.
 
-``LIGER_KERNELS_BACKEND`` overrides the choice: ``auto`` (default), ``torch``, or ``triton``. ``triton`` on
+``LIGER_KERNELS_BACKEND`` (read once) or ``set_backend`` overrides the choice: ``auto`` (default), ``torch``,
+or ``triton``. ``triton`` on
 CPU tensors needs ``TRITON_INTERPRET=1`` set before the package is imported; that is how CI runs the real
 kernel code on a machine without a GPU.
 """
@@ -41,15 +42,31 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("auto", "torch", "triton")
 
 
+# The environment is read once, not on every call: an op's host cost matters as much as its kernel's in
+# eager training and decoding. TRITON_INTERPRET must be set before Triton is imported anyway;
+# LIGER_KERNELS_BACKEND is read at the first op, and set_backend changes the choice afterwards.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_choice = None
+
+
 def triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETED
+
+
+def set_backend(choice: str) -> None:
+    """``auto`` (default), ``torch`` or ``triton``, for every op from now on (``LIGER_KERNELS_BACKEND`` gives
+    the initial choice)."""
+    global _choice
+    normalized = choice.strip().lower() if isinstance(choice, str) else choice
+    if normalized not in BACKENDS:
+        raise ValueError(f"LIGER_KERNELS_BACKEND must be one of {BACKENDS}, got {choice!r}")
+    _choice = normalized
 
 
 def requested_backend() -> str:
-    choice = os.environ.get("LIGER_KERNELS_BACKEND", "auto").strip().lower() or "auto"
-    if choice not in BACKENDS:
-        raise ValueError(f"LIGER_KERNELS_BACKEND must be one of {BACKENDS}, got {choice!r}")
-    return choice
+    if _choice is None:
+        set_backend(os.environ.get("LIGER_KERNELS_BACKEND", "auto") or "auto")
+    return _choice
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from . import _backend
-from ._backend import constexpr, jit, tl, triton, use_triton
+from ._backend import constexpr, jit, tl, use_triton
 from .activations import REGISTRY, GatedActivation
 
 # ----------------------------------------------------------------------------------------------------------
@@ -162,7 +162,8 @@ def _as_rows(tensors):
 
 
 def _grid(rows: torch.Tensor):
-    return (rows.shape[0] * triton.cdiv(rows.shape[1], BLOCK),)
+    # Plain integer arithmetic: triton.cdiv is a jit-aware function whose host-side call costs microseconds.
+    return (rows.shape[0] * ((rows.shape[1] + BLOCK - 1) // BLOCK),)
 
 
 def _forward_triton(gate, up, activation: GatedActivation, gate_multiplier, down_multiplier):
