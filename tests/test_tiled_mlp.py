@@ -2,6 +2,7 @@
 path, autocast and dropout replay, precision in bf16, saved memory, and misuse that must raise."""
 
 import copy
+import types
 
 import pytest
 import torch
@@ -293,3 +294,53 @@ def test_activation_checkpointing_around_a_decoder_layer(lk, use_reentrant):
 
     for got, want in zip(grads(tiled, True), grads(plain, False)):
         assert (got - want).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize(
+    "tokens, hidden, intermediate, num_shards, pays",
+    [
+        (4096, 4096, 14336, 1, False),  # Llama-8B MLP, one shard: only the fp32 sums would be added
+        (16384, 8192, 28672, 2, False),  # two shards save less than the sums cost
+        (32768, 4096, 14336, 8, True),
+        (131072, 4096, 14336, 32, True),
+        (8192, 1024, 2816, 8, True),
+        (16384, 2048, 8192, 8, True),
+    ],
+)
+def test_tiling_is_chosen_where_it_lowers_the_bf16_peak(lk, tokens, hidden, intermediate, num_shards, pays):
+    assert lk._tiling.tiling_pays(tokens, hidden, intermediate, 2, num_shards) is pays
+
+
+def test_fp32_weights_tile_whenever_there_are_shards(lk):
+    """fp32 and fp64 weights sum their gradients in place: no extra memory, so any second shard pays."""
+    assert lk._tiling.tiling_pays(4096, 4096, 14336, 4, 2) and lk._tiling.tiling_pays(4096, 4096, 14336, 8, 2)
+    assert not lk._tiling.tiling_pays(4096, 4096, 14336, 4, 1)
+
+
+@pytest.mark.parametrize("tile", [None, True, False])
+def test_both_branches_of_the_choice_give_the_plain_gradients(lk, tile, monkeypatch):
+    """The layer's automatic choice, and each forced branch (host attribute ``tile``), equal the plain module in
+    float64; the untiled branch never enters the tiled Function."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    host = LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=160)).double()
+    tiled = copy.deepcopy(host)
+    tiled.forward = types.MethodType(lk.LigerTiledSwiGLUMLP.forward, tiled)
+    tiled.tile = tile
+    calls = []
+    inner = lk.LigerTiledMLPFunction.apply
+    monkeypatch.setattr(lk.LigerTiledMLPFunction, "apply", lambda *a: calls.append(1) or inner(*a))
+    x = torch.randn(2, 3 * H, H, dtype=torch.float64, requires_grad=True)
+    d_out = torch.randn_like(x)
+    got = [tiled(x), *torch.autograd.grad(tiled(x), [x, *tiled.parameters()], d_out)]
+    want = [host(x), *torch.autograd.grad(host(x), [x, *host.parameters()], d_out)]
+    for g, w in zip(got, want):
+        assert (g - w).abs().max().item() < 1e-12
+    assert bool(calls) == (tile is not False)
+
+
+def test_tile_must_be_a_bool_or_none(lk):
+    with pytest.raises(TypeError, match="`tile` must be None"):
+        lk.apply_tiled_mlp(call, GatedMLP(H, 32), torch.randn(4, H), tile="yes")

@@ -9,7 +9,8 @@
   shards or a rank would wait forever in a gather, so the count is the maximum over ranks. Such engines
   already require every rank to call the module; nothing else pays for a collective (rank-0-only
   evaluation, generation, MoE experts called a different number of times per rank).
-* Some calls run untiled, because only the plain call is exact there (``untiled_reason``).
+* Some calls run untiled, because only the plain call is exact there (``untiled_reason``), or because
+  tiling would not lower the peak (``tiling_pays``).
 """
 
 import math
@@ -107,3 +108,20 @@ def untiled_reason(mlp_module, x: torch.Tensor, params) -> str | None:
     if _has_backward_hooks(mlp_module):
         return "module backward hooks"
     return None
+
+
+def tiling_pays(tokens: int, hidden: int, intermediate: int, itemsize: int, num_shards: int) -> bool:
+    """Whether the tiled gated MLP holds less memory at its peak than the fused untiled one, for ``tokens``
+    rows of width ``hidden``, ``intermediate`` columns in the MLP and activations of ``itemsize`` bytes.
+
+    Untiled, gate, up and the activation's output (the down projection's input) live from forward to
+    backward, and backward adds d_hidden: about 4 x tokens x I activations. Tiled, the same four exist for one
+    shard at a time, and low-precision weights add fp32 gradient sums for the three projections
+    (3 x H x I x 4 bytes; fp32 weights sum in place). What both hold alike (x, the output, the weights'
+    gradients) cancels. Shapes only: no sync, no collective, the same answer on every rank."""
+    if num_shards <= 1:
+        return False
+    per_activation = tokens * intermediate * itemsize
+    saved = 4 * per_activation * (1.0 - 1.0 / num_shards)
+    sums = 3 * hidden * intermediate * 4 if itemsize < 4 else 0
+    return saved > sums

@@ -35,8 +35,10 @@ def _check_linear_host(module: nn.Module) -> None:
 
 
 def tiled(fn, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``fn(module, x)`` through the tiled MLP; a host attribute ``num_shards`` overrides the automatic count."""
-    return apply_tiled_mlp(fn, module, x, num_shards=getattr(module, "num_shards", None))
+    """``fn(module, x)`` through the tiled MLP; host attributes override the automatic choices: ``num_shards``
+    (the shard count) and ``tile`` (True: always tile; False: never)."""
+    tile = getattr(module, "tile", None)
+    return apply_tiled_mlp(fn, module, x, num_shards=getattr(module, "num_shards", None), tile=tile)
 
 
 class LigerSwiGLUMLP(nn.Module):

@@ -30,7 +30,12 @@ OP = _tiling.OP
 
 
 def apply_tiled_mlp(
-    fn: Callable, mlp_module, x: torch.Tensor, num_shards: int | None = None, compute_params=None
+    fn: Callable,
+    mlp_module,
+    x: torch.Tensor,
+    num_shards: int | None = None,
+    compute_params=None,
+    tile: bool | None = None,
 ) -> torch.Tensor:
     """``fn(mlp_module, x)`` computed shard by shard along the sequence dimension, recomputed in backward.
 
@@ -40,6 +45,10 @@ def apply_tiled_mlp(
 
     Runs untiled, as the plain ``fn(mlp_module, x)``, where only that is exact (``_tiling.untiled_reason``)
     and under torch.export (an exported program is a forward graph; tiling is a training-memory device).
+
+    tile: None (automatic) tiles a gated MLP whose owner declares the fast path (the package's layers) only
+    where it lowers the peak (``_tiling.tiling_pays``; an explicit ``num_shards`` counts as asking to tile),
+    and any other ``fn`` always; True always tiles; False runs ``fn(mlp_module, x)`` untiled.
     """
     if not callable(fn):
         raise TypeError(f"{OP}: `fn` must be callable as fn(mlp_module, shard), got {type(fn).__name__}")
@@ -48,26 +57,42 @@ def apply_tiled_mlp(
     if x.dim() < 2:
         raise ValueError(f"{OP}: `x` must be [B, S, H] or [S, H], got shape {tuple(x.shape)}")
     requested = _tiling.check_num_shards(num_shards)
-    if torch.compiler.is_exporting():
+    if tile is not None and not isinstance(tile, bool):
+        raise TypeError(f"{OP}: `tile` must be None (automatic), True or False, got {type(tile).__name__}")
+    if tile is False or torch.compiler.is_exporting():
         return fn(mlp_module, x)
-    return _apply_tiled(fn, mlp_module, x, requested, compute_params)
+    return _apply_tiled(fn, mlp_module, x, requested, compute_params, tile)
 
 
 # torch.compile must not trace the tiled call: a compiled forward would draw dropout masks from the
 # compiler's random stream while the eager recompute replays the ordinary generator, and the gradients would
 # belong to other masks. The call is a graph break; what runs inside is the eager code, exact.
 @torch.compiler.disable
-def _apply_tiled(fn, mlp_module, x, requested, compute_params):
+def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     params = trainable_params(mlp_module, compute_params)
     if _tiling.untiled_reason(mlp_module, x, params) is not None:
         return fn(mlp_module, x)
     zero3 = [p for p in params if is_zero3(p)]
     num_shards = _tiling.num_shards_for(requested, x, _tiling.gathers_per_shard(mlp_module, zero3))
+    if tile is None and requested is None and not _pays(fn, mlp_module, x, num_shards):
+        return fn(mlp_module, x)
     explicit = [] if zero3 else params
     # ZeRO-3 weights are not Function inputs; when x needs no grad either, an anchor input makes the output
     # require grad so that backward (and with it the weights' per-shard accumulation) runs at all.
     anchor = torch.empty(0, device=x.device, requires_grad=True) if zero3 and not x.requires_grad else None
     return LigerTiledMLPFunction.apply(fn, mlp_module, x, num_shards, zero3, anchor, *explicit)
+
+
+def _pays(fn, mlp_module, x, num_shards) -> bool:
+    """Tiling lowers the peak, for a gated MLP whose owner declares the fast path; any other fn is tiled."""
+    if getattr(fn, "tiled_fast_path", None) is None:
+        return True
+    gate = getattr(mlp_module, "gate_proj", None)
+    intermediate = getattr(gate, "out_features", None)
+    if intermediate is None:
+        return True
+    hidden = x.shape[-1]
+    return _tiling.tiling_pays(x.numel() // max(hidden, 1), hidden, intermediate, x.element_size(), num_shards)
 
 
 # ----------------------------------------------------------------------------------------------------------
