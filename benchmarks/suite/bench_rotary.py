@@ -44,6 +44,7 @@ SHAPE = {"batch": 1, "seq": 32768, "n_q": 32, "n_k": 8, "dim": 128}
 HOST_SHAPE = {"batch": 1, "seq": 16, "n_q": 4, "n_k": 2, "dim": 64}
 LAYOUTS = ("separate", "fused_qkv")
 GRAPH_CALLS = 20
+HOST_CALLS, HOST_WARMUP = 300, 50  # host_us's defaults, read per call (the smoke test lowers them)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -155,7 +156,8 @@ def eager_ms(fn, device, repeats=15):
     return statistics.median(times)
 
 
-def host_us(fn, device, calls=300, warmup=50):
+def host_us(fn, device, calls=None, warmup=None):
+    calls, warmup = calls or HOST_CALLS, warmup or HOST_WARMUP
     for _ in range(warmup):
         fn()
     _sync(device)
