@@ -20,7 +20,9 @@ ops: $(VENV)/.installed
 	$(PY) scripts/ops_report.py
 
 test: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest tests
 
 variants: $(VENV)/.installed
-	$(PY) scripts/build_variants.py
+	$(PY) tools/build_variants.py

@@ -3,7 +3,7 @@
 The kernels CLI imports sigstore (and cryptography) at start-up for `kernels verify-signature` alone; the
 lent GPU machine has neither and no network to fetch them. Where they are missing, this stands in empty
 modules for them, then runs the real CLI: `python scripts/kernels_benchmark.py . [--output out.json]`.
-Run `make variants` (or scripts/build_variants.py) first: the CLI loads the kernel from build/.
+Run `make variants` (or tools/build_variants.py) first: the CLI loads the kernel from build/.
 """
 
 import importlib.util

@@ -23,11 +23,11 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "torch-ext"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tools"))
 
 
 def stack(hidden, intermediate, layer, lk):
-    from tiled_cases import GatedMLP
+    from ddp_demo import GatedMLP
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[GatedMLP(hidden, intermediate) for _ in range(2)])
@@ -60,18 +60,21 @@ def wrap(engine, model, dtype, rank):
     from deepspeed.utils import safe_get_full_grad
 
     config = {
-        "train_batch_size": dist.get_world_size(), "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "SGD", "params": {"lr": 1.0}}, "zero_allow_untested_optimizer": True,
+        "train_batch_size": dist.get_world_size(),
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+        "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "bf16": {"enabled": dtype == torch.bfloat16},
-    }  # fmt: skip
+    }
     engine_, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     return engine_, safe_get_full_grad, engine_.backward
 
 
 def run(rank, world, port, args, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     import liger_kernels as lk
@@ -94,7 +97,7 @@ def run(rank, world, port, args, out_dir):
                     x, w = data(rank, seq, hidden, device)
                     x, w = x.to(dtype), w.to(dtype)
 
-                    def step(wrapped=wrapped):
+                    def step(wrapped=wrapped, backward=backward, x=x, w=w):
                         backward((wrapped(x) * w).float().mean())
 
                     torch.cuda.synchronize()
@@ -120,8 +123,16 @@ def run(rank, world, port, args, out_dir):
                         step()
                         torch.cuda.synchronize()
                         times.append((time.perf_counter() - start) * 1e3)
-                    rows.append({"engine": engine, "dtype": str(dtype)[6:], "layer": layer, "ms": sorted(times)[2],
-                                 "peak_gib": peak / 2**30, "parity": parity})  # fmt: skip
+                    rows.append(
+                        {
+                            "engine": engine,
+                            "dtype": str(dtype)[6:],
+                            "layer": layer,
+                            "ms": sorted(times)[2],
+                            "peak_gib": peak / 2**30,
+                            "parity": parity,
+                        }
+                    )
                     del wrapped, model, grads
                     torch.cuda.empty_cache()
         if rank == 0:
@@ -147,7 +158,9 @@ def main():
     rows = json.loads((Path(args.out) / "multi_gpu.json").read_text())
     print(f"{'engine':<6} {'dtype':<9} {'layer':<20} {'step ms':>8} {'peak GiB':>9} {'parity':>10}")
     for r in rows:
-        print(f"{r['engine']:<6} {r['dtype']:<9} {r['layer']:<20} {r['ms']:8.2f} {r['peak_gib']:9.2f} {r['parity']:10.2e}")
+        print(
+            f"{r['engine']:<6} {r['dtype']:<9} {r['layer']:<20} {r['ms']:8.2f} {r['peak_gib']:9.2f} {r['parity']:10.2e}"
+        )
     print("parity: fp32 max abs error of every gradient against the fp32 single-GPU reference; bf16 relative error")
 
 

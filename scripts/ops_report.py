@@ -24,7 +24,7 @@ from transformers import GemmaConfig, LlamaConfig  # noqa: E402
 from transformers.models.gemma.modeling_gemma import GemmaMLP  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import build_variants  # noqa: E402
 
 
@@ -55,7 +55,11 @@ def layer_errors(layer, host):
     out.backward(d_out.float())
     ref.backward(d_out)
     weight = "gate_proj"
-    return [rel_err(out, ref), rel_err(x32.grad, x.grad), rel_err(getattr(fused, weight).weight.grad, getattr(host64, weight).weight.grad)]
+    return [
+        rel_err(out, ref),
+        rel_err(x32.grad, x.grad),
+        rel_err(getattr(fused, weight).weight.grad, getattr(host64, weight).weight.grad),
+    ]
 
 
 def main():
@@ -89,7 +93,11 @@ def main():
         hosts = [
             ("LigerSwiGLUMLP", "LlamaMLP (silu)", LlamaMLP(LlamaConfig(hidden_size=256, intermediate_size=688))),
             ("LigerGEGLUMLP", "GemmaMLP (gelu tanh)", GemmaMLP(GemmaConfig(hidden_size=256, intermediate_size=688))),
-            ("LigerGEGLUMLP", "LlamaMLP (exact gelu)", LlamaMLP(LlamaConfig(hidden_size=256, intermediate_size=688, hidden_act="gelu"))),
+            (
+                "LigerGEGLUMLP",
+                "LlamaMLP (exact gelu)",
+                LlamaMLP(LlamaConfig(hidden_size=256, intermediate_size=688, hidden_act="gelu")),
+            ),
         ]
         for layer, label, host in hosts:
             errors = layer_errors(getattr(lk, layer), host)

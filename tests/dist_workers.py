@@ -1,6 +1,7 @@
 """Workers for the multi-process tests (spawned: they must live in an importable module)."""
 
 import contextlib
+import copy
 import datetime
 import json
 import types
@@ -10,19 +11,22 @@ import kernels
 import torch
 import torch.distributed as dist
 
-from tiled_cases import GatedMLP
+from ddp_demo import GatedMLP
 
 
 @contextlib.contextmanager
 def gloo_group(rank, world, port, seconds=60, backend="gloo"):
-    """A process group (gloo on CPU; nccl where scripts/multi_gpu_matrix.py runs these workers on GPUs),
+    """A process group (gloo on CPU; nccl with LIGER_TEST_DIST_BACKEND=nccl on a machine with two GPUs),
     torn down in order: a barrier once the body is done, then destroy."""
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=seconds),
-    )  # fmt: skip
+    )
     try:
         yield
         dist.barrier()
@@ -52,12 +56,19 @@ def uneven_sequences(rank, world, port, variant_root, options, out_dir):
         module_ref = GatedMLP(64, 96).double()
         module_ref.load_state_dict(module.state_dict())
         module_ref(ref).sum().backward()
-        diff = max((x.grad - ref.grad).abs().max().item(), *[
-            (p.grad - q.grad).abs().max().item() for p, q in zip(module.parameters(), module_ref.parameters())
-        ])  # fmt: skip
+        diff = max(
+            (x.grad - ref.grad).abs().max().item(),
+            *[(p.grad - q.grad).abs().max().item() for p, q in zip(module.parameters(), module_ref.parameters())],
+        )
         logged = torch.tensor([float(rank + 1)])
         dist.all_reduce(logged)
-        result = {"forward_calls": forward_calls, "total_calls": len(calls), "rows": calls, "diff": diff, "logged": logged.item()}
+        result = {
+            "forward_calls": forward_calls,
+            "total_calls": len(calls),
+            "rows": calls,
+            "diff": diff,
+            "logged": logged.item(),
+        }
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -90,19 +101,23 @@ def _device(options, rank):
     return torch.device("cuda", rank) if options.get("backend") == "nccl" else torch.device("cpu")
 
 
-def _models(options, variant_root, device=torch.device("cpu")):
+def _models(options, variant_root, device=None):
     """(model with tiled MLPs, untiled reference, the units to shard, loss_of(model, rank, micro))."""
     import copy
 
+    device = torch.device("cpu") if device is None else device
     lk = kernels.get_local_kernel(variant_root)
     torch.manual_seed(0)
     if options["model"] == "llama":
-        from train_ddp import kernelize_tiled, tiny_llama_config
         from transformers import LlamaForCausalLM
+
+        from ddp_demo import kernelize_tiled, tiny_llama_config
 
         reference = LlamaForCausalLM(tiny_llama_config())
         model = kernelize_tiled(copy.deepcopy(reference), variant_root)
-        units = list(model.model.layers) if options.get("wrap") == "layers" else [layer.mlp for layer in model.model.layers]
+        units = (
+            list(model.model.layers) if options.get("wrap") == "layers" else [layer.mlp for layer in model.model.layers]
+        )
 
         def loss_of(m, r, micro):
             ids = torch.randint(0, 97, (1, 256), generator=torch.Generator().manual_seed(10 * micro + r))
@@ -144,9 +159,12 @@ def _engine_run(rank, world, variant_root, options):
         fully_shard(model, reshard_after_forward=options.get("reshard", True))
         wrapped, full = model, lambda t: t.full_tensor()
     else:
-        wrapped = DDP(model, device_ids=[rank] if device.type == "cuda" else None,
-                      find_unused_parameters=options.get("find_unused_parameters", False),
-                      static_graph=options.get("static_graph", False))  # fmt: skip
+        wrapped = DDP(
+            model,
+            device_ids=[rank] if device.type == "cuda" else None,
+            find_unused_parameters=options.get("find_unused_parameters", False),
+            static_graph=options.get("static_graph", False),
+        )
         full = lambda t: t  # noqa: E731
 
     micro_batches = options.get("micro_batches", 1)
@@ -208,8 +226,9 @@ def zero_case(rank, world, port, variant_root, options, out_dir):
     import copy
     import os
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     import deepspeed
 
     if options.get("backend") == "nccl":
@@ -241,11 +260,14 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
     if options.get("bucket"):
-        config["zero_optimization"].update(reduce_bucket_size=options["bucket"], allgather_bucket_size=options["bucket"])
+        config["zero_optimization"].update(
+            reduce_bucket_size=options["bucket"], allgather_bucket_size=options["bucket"]
+        )
     torch.manual_seed(0)
     if options["model"] == "llama":
-        from train_ddp import kernelize_tiled, tiny_llama_config
         from transformers import LlamaForCausalLM
+
+        from ddp_demo import kernelize_tiled, tiny_llama_config
 
         reference = LlamaForCausalLM(tiny_llama_config())
         build = lambda: kernelize_tiled(copy.deepcopy(reference), variant_root)  # noqa: E731
@@ -270,7 +292,9 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
 
     freeze = options.get("freeze")
     for name, p in reference.named_parameters():
-        if (freeze == "embed_norm" and ("embed" in name or "norm" in name)) or (freeze == "non_mlp" and ".mlp." not in name):
+        if (freeze == "embed_norm" and ("embed" in name or "norm" in name)) or (
+            freeze == "non_mlp" and ".mlp." not in name
+        ):
             p.requires_grad_(False)
     if options.get("zero_init"):
         with deepspeed.zero.Init(config_dict_or_path=config):
@@ -283,8 +307,9 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
     for p, q in zip(model.parameters(), reference.parameters()):
         p.requires_grad_(q.requires_grad)
     reference.to(device)
-    engine, *_ = deepspeed.initialize(model=model, config=config,
-                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine, *_ = deepspeed.initialize(
+        model=model, config=config, model_parameters=[p for p in model.parameters() if p.requires_grad]
+    )
     partitioned = stage != 3 or all(p.numel() == 0 for p in engine.module.parameters())
     for micro in range(accumulation):
         engine.backward(loss_of(engine, rank, micro))
@@ -309,3 +334,46 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
     del engine, model
     gc.collect()
     return {"grad_diff": grad_diff, "weight_diff": weight_diff, "missing": missing, "partitioned": partitioned}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The causal-LM loss under DDP.
+
+
+def _batch(rank):
+    generator = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(0, 97, (2, 16), generator=generator)
+    labels = ids.clone()
+    labels[rank, -5:] = -100  # different padding on each rank
+    return ids, labels
+
+
+def ddp_fused_loss(rank, world, port, variant_root, options, out_dir):
+    """DDP over CausalLMWithFusedLoss(tiny Llama), float64, against the loss on the model's logits for every
+    rank's batch in one process: DDP averages the ranks' gradients, so the reference sums loss_r / world."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from transformers import LlamaForCausalLM
+
+    from ddp_demo import tiny_llama_config
+
+    with gloo_group(rank, world, port):
+        lk = kernels.get_local_kernel(Path(variant_root))
+        torch.manual_seed(0)
+        reference = LlamaForCausalLM(tiny_llama_config()).double()
+        model = copy.deepcopy(reference)
+        ddp = DDP(lk.CausalLMWithFusedLoss(model))
+        ids, labels = _batch(rank)
+        ddp(ids, labels=labels).backward()
+        for r in range(world):  # the model's loss on its logits, in float64 (transformers' own is fp32)
+            ids_r, labels_r = _batch(r)
+            logits = reference(input_ids=ids_r).logits[:, :-1]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels_r[:, 1:].reshape(-1))
+            (loss / world).backward()
+        grad_diff, missing = 0.0, []
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            if p.grad is None:
+                missing.append(name)
+                continue
+            grad_diff = max(grad_diff, (p.grad - q.grad).abs().max().item())
+        del ddp
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"grad_diff": grad_diff, "missing": missing}))

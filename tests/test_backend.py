@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import backend
+from harness import backend
 
 
 @pytest.mark.parametrize(

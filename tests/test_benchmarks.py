@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from conftest import ROOT
+from harness import ROOT
 from kernels.benchmark import Benchmark
 
 SCRIPTS = sorted((ROOT / "benchmarks").glob("benchmark*.py"))

@@ -28,7 +28,12 @@ def test_untiled_layer_compiles_without_graph_break(lk, layer, make_host):
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
     ops = [str(node.target) for graph in explained.graphs for node in graph.graph.nodes if node.op == "call_function"]
     assert any(f"{lk.__name__}.gated_forward" in op for op in ops), ops
-    float_args = [node.args[3:5] for graph in explained.graphs for node in graph.graph.nodes if "gated_forward" in str(node.target)]
+    float_args = [
+        node.args[3:5]
+        for graph in explained.graphs
+        for node in graph.graph.nodes
+        if "gated_forward" in str(node.target)
+    ]
     assert all(isinstance(v, float) for args in float_args for v in args)
 
 

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the README's test command")
 
 from dist_workers import zero_case  # noqa: E402
-from train_ddp import launch  # noqa: E402
+from harness import launch  # noqa: E402
 
 # DeepSpeed JIT-builds a small communication op on first use; keep it inside the environment.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))

@@ -4,7 +4,7 @@ single-process run on the global batch (fp32, max abs error <= 1e-6)."""
 import pytest
 
 from dist_workers import engine_case, fsdp2_stale_compute_params
-from train_ddp import launch
+from harness import launch
 
 CASES = {
     "llama, each decoder layer + root": {"model": "llama", "wrap": "layers"},

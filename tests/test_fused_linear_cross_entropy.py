@@ -10,8 +10,9 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import INTERPRETED, ROOT, backend, rel_err
-from flce_cases import CASES, linear64, make_inputs, reference_loss, reference_z_loss
+
+from harness import FLCE_CASES as CASES
+from harness import INTERPRETED, ROOT, backend, linear64, make_inputs, reference_loss, reference_z_loss, rel_err
 
 REDUCTIONS = ("mean", "sum", "none")
 # fp32 arithmetic summed over H and over the rows of a chunk: 16 ulps in norm. A wrong term errs by >= 1e-3.
@@ -116,9 +117,17 @@ def test_all_ignored_batch_matches_pytorch(lk, reduction, backend_name):
 def test_token_accuracy_predicted_tokens_and_z_loss(lk, reduction, backend_name, small_chunks):
     x, weight, bias, target, _, _ = make_inputs(N, H, V, case="bias")
     target[1] = (x[1] @ weight.T + bias).argmax()  # at least one hit
-    out = lk.liger_fused_linear_cross_entropy(x, weight, target, bias, reduction=reduction, lse_square_scale=0.05,
-                                              return_z_loss=True, return_token_accuracy=True,
-                                              return_predicted_tokens=True)  # fmt: skip
+    out = lk.liger_fused_linear_cross_entropy(
+        x,
+        weight,
+        target,
+        bias,
+        reduction=reduction,
+        lse_square_scale=0.05,
+        return_z_loss=True,
+        return_token_accuracy=True,
+        return_predicted_tokens=True,
+    )
     assert isinstance(out, lk.CrossEntropyOutput)
     _, _, _, logits = linear64(x, weight, bias)
     kept = target != -100
@@ -146,8 +155,9 @@ def test_return_convention(lk):
     outputs = lk.LigerFusedLinearCrossEntropyFunction.apply(x, weight, target)
     assert len(outputs) == 4 and outputs[1:] == (None, None, None)
     torch.testing.assert_close(outputs[0], loss, rtol=0, atol=0)
-    outputs = lk.LigerFusedLinearCrossEntropyFunction.apply(x, weight, target, None, None, -100, 0.1, 0.0, "sum",
-                                                            None, True, None, False, True, True)  # fmt: skip
+    outputs = lk.LigerFusedLinearCrossEntropyFunction.apply(
+        x, weight, target, None, None, -100, 0.1, 0.0, "sum", None, True, None, False, True, True
+    )
     assert all(t is not None for t in outputs) and outputs[3].shape == target.shape
 
 
@@ -167,8 +177,9 @@ def test_gradcheck(lk, reduction):
 def test_published_function_gradcheck(lk):
     x, weight, bias, target, ce_weight, _ = make_inputs(5, 3, 7, torch.float64, case="everything", ignore_every=3)
     apply = lk.LigerFusedLinearCrossEntropyFunction.apply
-    assert torch.autograd.gradcheck(lambda x, w, b: apply(x, w, target, b, ce_weight, -100, 0.01, 0.1)[0],
-                                    (x, weight, bias))  # fmt: skip
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: apply(x, w, target, b, ce_weight, -100, 0.01, 0.1)[0], (x, weight, bias)
+    )
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -308,8 +319,9 @@ def test_compiled_equals_eager_without_graph_break(lk):
     x, weight, bias, target, ce_weight, options = make_inputs(N, H, V, case="everything")
 
     def fn(x, weight, bias):
-        out = lk.liger_fused_linear_cross_entropy(x, weight, target, bias, ce_weight, return_token_accuracy=True,
-                                                  **options)  # fmt: skip
+        out = lk.liger_fused_linear_cross_entropy(
+            x, weight, target, bias, ce_weight, return_token_accuracy=True, **options
+        )
         return out.loss, out.token_accuracy
 
     explained = torch._dynamo.explain(fn)(x, weight, bias)
@@ -320,8 +332,9 @@ def test_compiled_equals_eager_without_graph_break(lk):
         torch._dynamo.reset()
 
         def loss_of(x, weight, bias, reduction=reduction):
-            return lk.liger_fused_linear_cross_entropy(x, weight, target, bias, ce_weight, reduction=reduction,
-                                                       **options)  # fmt: skip
+            return lk.liger_fused_linear_cross_entropy(
+                x, weight, target, bias, ce_weight, reduction=reduction, **options
+            )
 
         loss = torch.compile(loss_of, backend="aot_eager")(x, weight, bias)
         want = lk.liger_fused_linear_cross_entropy(x, weight, target, bias, ce_weight, reduction=reduction, **options)
@@ -368,11 +381,36 @@ def bad_inputs():
         ("ignore_index", lambda f: f(x, w, t, None, None, 1.5), TypeError, "`ignore_index` must be an int"),
         ("label_smoothing", lambda f: f(x, w, t, None, None, -100, 0.0, 1.5), ValueError, "`label_smoothing`"),
         ("lse_square_scale", lambda f: f(x, w, t, None, None, -100, "0"), TypeError, "`lse_square_scale`"),
-        ("reduction", lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "avg"), ValueError, "`reduction` must be one of"),
-        ("softcap", lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "mean", 0.0), ValueError, "`softcap` must be None or a positive"),
-        ("accum_dtype", lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "mean", None, False, torch.int32), TypeError, "`accum_dtype`"),
-        ("flag", lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "mean", None, 1), TypeError, "`return_z_loss` must be a bool"),
-        ("token scaling", lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "mean", None, False, None, "yes"), TypeError, "`use_token_scaling`"),
+        (
+            "reduction",
+            lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "avg"),
+            ValueError,
+            "`reduction` must be one of",
+        ),
+        (
+            "softcap",
+            lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "mean", 0.0),
+            ValueError,
+            "`softcap` must be None or a positive",
+        ),
+        (
+            "accum_dtype",
+            lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "mean", None, False, torch.int32),
+            TypeError,
+            "`accum_dtype`",
+        ),
+        (
+            "flag",
+            lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "mean", None, 1),
+            TypeError,
+            "`return_z_loss` must be a bool",
+        ),
+        (
+            "token scaling",
+            lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "mean", None, False, None, "yes"),
+            TypeError,
+            "`use_token_scaling`",
+        ),
     ]
 
 
@@ -436,8 +474,15 @@ def test_cpu_peak_memory_stays_far_below_the_logits(variant_root):
     grows by less than 1.5 GiB over its level after imports and inputs (the weight gradient takes 128 MiB).
     The weight requires grad, the input does not: the GEMMs whose memory matters (logits, weight gradient)."""
     env = dict(os.environ, LIGER_KERNELS_BACKEND="torch")
-    result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(variant_root)], capture_output=True, text=True,
-                            env=env, cwd=ROOT, timeout=300, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT, str(variant_root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     growth, loss, grad_norm = (float(v) for v in result.stdout.split())
     assert growth < 1.5 * 2**30, f"peak RSS grew by {growth / 2**30:.2f} GiB"
@@ -457,12 +502,12 @@ def chunked_reference(x, weight, target, rows=2048):
     d_w = torch.zeros_like(weight, dtype=torch.float32)
     w = weight.detach().float()
     for start in range(0, x.shape[0], rows):
-        xs = x.detach()[start:start + rows].float()
+        xs = x.detach()[start : start + rows].float()
         logits = (xs @ w.T).requires_grad_()
-        part = F.cross_entropy(logits, target[start:start + rows], reduction="sum") / count
+        part = F.cross_entropy(logits, target[start : start + rows], reduction="sum") / count
         (d_logits,) = torch.autograd.grad(part, logits)
         loss += part.double()
-        d_x[start:start + rows] = d_logits @ w
+        d_x[start : start + rows] = d_logits @ w
         d_w += d_logits.T @ xs
     return loss, d_x, d_w
 
@@ -518,8 +563,9 @@ def test_cuda_every_option_against_float64(lk, case, reduction):
 @pytest.mark.gpu
 def test_cuda_compiled_equals_eager(lk):
     torch._dynamo.reset()
-    x, weight, bias, target, ce_weight, options = make_inputs(2048, 512, 32000, torch.bfloat16, case="everything",
-                                                              seed=0, device="cuda")  # fmt: skip
+    x, weight, bias, target, ce_weight, options = make_inputs(
+        2048, 512, 32000, torch.bfloat16, case="everything", seed=0, device="cuda"
+    )
 
     def fn(x, w, b):
         return lk.liger_fused_linear_cross_entropy(x, w, target, b, ce_weight, **options)

@@ -6,8 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import FLOAT_DTYPES, INTERPRETED, backend, poisoned_outputs, rel_err
-from gated_cases import OPS, check_op, make_pair
+from harness import FLOAT_DTYPES, INTERPRETED, OPS, backend, check_op, make_pair, poisoned_outputs, rel_err
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
@@ -165,8 +164,12 @@ def test_in_place_backward_with_a_retained_graph_is_exact(lk):
             assert rel_err(got, expected) < 1e-6
 
         a_small, b_small, _ = make_pair((3, 5), torch.float32)
-        jac = torch.autograd.functional.jacobian(lambda p, q: lk.silu_mul(p * 1.0, q * 1.0, 1.0, 1.0, True), (a_small, b_small))
-        ref = torch.autograd.functional.jacobian(lambda p, q: torch.nn.functional.silu(p) * q, (a_small.double(), b_small.double()))
+        jac = torch.autograd.functional.jacobian(
+            lambda p, q: lk.silu_mul(p * 1.0, q * 1.0, 1.0, 1.0, True), (a_small, b_small)
+        )
+        ref = torch.autograd.functional.jacobian(
+            lambda p, q: torch.nn.functional.silu(p) * q, (a_small.double(), b_small.double())
+        )
         for got, expected in zip(jac, ref):
             assert rel_err(got, expected) < 1e-6
 
@@ -175,8 +178,10 @@ def test_in_place_backward_with_a_retained_graph_is_exact(lk):
 def test_in_place_backward_refuses_aliased_and_leaf_buffers(lk, form, backend_name):
     """in_place_backward=True with a and b the same tensor, or with leaves (a user's parameters), writes
     fresh gradients: the values are exact and the leaves keep their values."""
-    apply = (lambda p, q: lk.LigerSiLUMulFunction.apply(p, q, 1.0, 1.0, True)) if form == "Function" else (
-        lambda p, q: lk.silu_mul(p, q, 1.0, 1.0, True)
+    apply = (
+        (lambda p, q: lk.LigerSiLUMulFunction.apply(p, q, 1.0, 1.0, True))
+        if form == "Function"
+        else (lambda p, q: lk.silu_mul(p, q, 1.0, 1.0, True))
     )
     dtype = torch.float64 if backend_name == "torch" else torch.float32
     x = torch.randn(4, 40, dtype=dtype, requires_grad=True)
@@ -224,8 +229,12 @@ def test_double_backward_is_exact(lk, op, backend_name):
     a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
     got = _hvp(lambda p, q: apply(lk, p, q), a, b, v)
     want = _hvp(reference, a64, b64, v.double())
-    for g, w in zip(got, want):
-        assert rel_err(g, w) < (1e-12 if dtype == torch.float64 else 1e-5)
+    # No worse than PyTorch's own composite in the same dtype (second derivatives cancel in fp32).
+    a_same, b_same = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    eager = _hvp(reference, a_same, b_same, v)
+    for g, e, w in zip(got, eager, want):
+        bound = 1e-12 if dtype == torch.float64 else 1.5 * rel_err(e, w) + 16 * torch.finfo(dtype).eps
+        assert rel_err(g, w) <= bound, f"{op}: {rel_err(g, w):.3e} > {bound:.3e}"
 
 
 def _hvp(f, a, b, v):
@@ -238,8 +247,6 @@ def test_gradgradcheck(lk):
     a, b, _ = make_pair((3, 7), torch.float64)
     for f in (lk.LigerSiLUMulFunction.apply, lk.silu_mul, lambda p, q: lk.gelu_mul(p, q, "none")):
         assert torch.autograd.gradgradcheck(f, (a, b))
-
-
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import backend, rel_err
+from harness import backend, rel_err
 
 
 def test_default_is_tanh(lk, backend_name):
@@ -23,7 +23,9 @@ def test_gradcheck_float64_pytorch_path(lk, approximate):
     a = torch.randn(3, 7, dtype=torch.float64, requires_grad=True) * 2
     b = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
     with backend("auto"):
-        assert torch.autograd.gradcheck(lambda x, y: lk.LigerGELUMulFunction.apply(x, y, approximate), (a.detach().requires_grad_(), b))
+        assert torch.autograd.gradcheck(
+            lambda x, y: lk.LigerGELUMulFunction.apply(x, y, approximate), (a.detach().requires_grad_(), b)
+        )
 
 
 @pytest.mark.parametrize("approximate", ["exact", "TANH", None, 1])

@@ -5,8 +5,7 @@ import copy
 import pytest
 import torch
 
-from conftest import FLOAT_DTYPES, backend, rel_err
-from gated_cases import OPS, check_op, make_pair
+from harness import FLOAT_DTYPES, OPS, backend, check_op, make_pair, rel_err
 from test_layers import bind, llama_mlp, run
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +59,11 @@ def test_cuda_swiglu_layer_parity_with_llama_mlp(lk, dtype, auto_backend):
     fused = bind(lk.LigerSwiGLUMLP, copy.deepcopy(host64).to(dtype))
     x = torch.randn(2, 2048, host64.hidden_size, dtype=torch.float64, device="cuda")
     d_out = torch.randn_like(x)
-    want, got_eager, got_fused = run(host64, x, d_out), run(eager, x.to(dtype), d_out.to(dtype)), run(fused, x.to(dtype), d_out.to(dtype))
+    want, got_eager, got_fused = (
+        run(host64, x, d_out),
+        run(eager, x.to(dtype), d_out.to(dtype)),
+        run(fused, x.to(dtype), d_out.to(dtype)),
+    )
     for w, e, f in zip([want[0], *want[1]], [got_eager[0], *got_eager[1]], [got_fused[0], *got_fused[1]]):
         assert rel_err(f, w) <= 1.5 * rel_err(e, w) + 4 * torch.finfo(torch.float32).eps
 
@@ -83,7 +86,11 @@ def test_cuda_tiled_swiglu_layer_against_float64(lk, dtype, auto_backend):
     tiled = bind(lk.LigerTiledSwiGLUMLP, copy.deepcopy(eager))
     x = torch.randn(1, 8192, 1024, dtype=torch.float64, device="cuda")
     d_out = torch.randn_like(x)
-    want, got_eager, got_tiled = run(host64, x, d_out), run(eager, x.to(dtype), d_out.to(dtype)), run(tiled, x.to(dtype), d_out.to(dtype))
+    want, got_eager, got_tiled = (
+        run(host64, x, d_out),
+        run(eager, x.to(dtype), d_out.to(dtype)),
+        run(tiled, x.to(dtype), d_out.to(dtype)),
+    )
     for w, e, t in zip([want[0], *want[1]], [got_eager[0], *got_eager[1]], [got_tiled[0], *got_tiled[1]]):
         assert t.dtype == dtype
         assert rel_err(t, w) <= 1.5 * rel_err(e, w) + 4 * torch.finfo(torch.float32).eps
@@ -108,14 +115,17 @@ def test_cuda_tiled_accumulates_once_and_saves_memory(lk, auto_backend):
     tiled_peak = peak(tiled)
     assert set(fired.values()) == {1}
     untiled_peak = peak(lambda h: lk.layers.swiglu_mlp(tiled, h))
-    print(f"S=32768 Llama-8B MLP bf16 extra peak: tiled {tiled_peak / 2**30:.2f} GiB, untiled fused {untiled_peak / 2**30:.2f} GiB")
+    print(
+        f"S=32768 Llama-8B MLP bf16 extra peak: tiled {tiled_peak / 2**30:.2f} GiB, "
+        f"untiled fused {untiled_peak / 2**30:.2f} GiB"
+    )
     assert tiled_peak < 0.6 * untiled_peak
 
 
 def test_cuda_tiled_replays_dropout(lk, auto_backend):
     """The recompute draws the forward's dropout masks from the CUDA generator: gradients equal those of the
     same shards run with autograd."""
-    from tiled_cases import DropoutGatedMLP, call
+    from harness import DropoutGatedMLP, call
 
     module = DropoutGatedMLP(512, 1376, dropout=0.3).cuda()
     x = torch.randn(2, 2048, 512, device="cuda", requires_grad=True)
@@ -133,8 +143,8 @@ def test_cuda_tiled_replays_dropout(lk, auto_backend):
 
 @pytest.mark.parametrize("leaf", [True, False], ids=["x leaf", "x activation"])
 def test_cuda_tiled_replays_autocast(lk, leaf, auto_backend):
+    from harness import GatedMLP
     from test_tiled_mlp import autocast_grads
-    from tiled_cases import GatedMLP
 
     torch.manual_seed(0)
     module = GatedMLP(1024, 2816).cuda()

@@ -9,12 +9,22 @@ from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCau
 from transformers.models.gemma.modeling_gemma import GemmaMLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-SIZES = dict(vocab_size=97, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)  # fmt: skip
+SIZES = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 MLP_LAYERS = ("SwiGLUMLP", "GeGLUMLP")  # only the MLPs: the rest of the mapping is test_mapping.py's
 MODELS = {
     "llama": (lambda: LlamaForCausalLM(LlamaConfig(**SIZES)), LlamaMLP, "SwiGLU"),
-    "gemma": (lambda: GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=16, hidden_act="gelu_pytorch_tanh")), GemmaMLP, "GEGLU"),
+    "gemma": (
+        lambda: GemmaForCausalLM(GemmaConfig(**SIZES, head_dim=16, hidden_act="gelu_pytorch_tanh")),
+        GemmaMLP,
+        "GEGLU",
+    ),
 }
 
 

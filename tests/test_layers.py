@@ -10,7 +10,7 @@ from transformers import GemmaConfig, LlamaConfig
 from transformers.models.gemma.modeling_gemma import GemmaMLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from conftest import INTERPRETED, backend, compute_eps, rel_err
+from harness import INTERPRETED, backend, compute_eps, rel_err
 
 HIDDEN, INTERMEDIATE = 64, 160
 
@@ -69,7 +69,10 @@ def test_parity_with_transformers_mlp(lk, host_name, dtype, backend_name):
 
 def test_swiglu_layer_refuses_a_non_silu_host(lk):
     host = bind(lk.LigerSwiGLUMLP, llama_mlp(act="gelu"))
-    with pytest.raises(ValueError, match="LigerSwiGLUMLP computes .* act = SiLU, but the host LlamaMLP cannot be served: it uses exact GELU"):
+    with pytest.raises(
+        ValueError,
+        match="LigerSwiGLUMLP computes .* act = SiLU, but the host LlamaMLP cannot be served: it uses exact GELU",
+    ):
         host(torch.randn(2, HIDDEN))
     host = bind(lk.LigerSwiGLUMLP, llama_mlp(act="relu"))
     with pytest.raises(ValueError, match="LigerSwiGLUMLP computes .*ReLU"):
@@ -166,7 +169,9 @@ class Block(torch.nn.Module):
 def kernelize_block(model, variant_root, mode, layers):
     """Tag the hosts as transformers' default mapping names them, map `layers` for `mode`, kernelize."""
     tags = ((LlamaMLP, "SwiGLUMLP"), (GemmaMLP, "GeGLUMLP"), (TaggedLinear, "Linear"))
-    mapping = {name: {"cpu": {mode: LocalLayerRepository(variant_root, layer_name=layer)}} for name, layer in layers.items()}
+    mapping = {
+        name: {"cpu": {mode: LocalLayerRepository(variant_root, layer_name=layer)}} for name, layer in layers.items()
+    }
     for cls, name in tags:
         replace_kernel_forward_from_hub(cls, name)
     try:
@@ -192,7 +197,9 @@ def test_kernelize_with_local_layer_repository(lk, variant_root, mode):
     torch.manual_seed(0)
     model = Block().double()
     reference = copy.deepcopy(model)
-    kernelize_block(model, variant_root, getattr(Mode, mode), {"SwiGLUMLP": "LigerSwiGLUMLP", "GeGLUMLP": "LigerGEGLUMLP"})
+    kernelize_block(
+        model, variant_root, getattr(Mode, mode), {"SwiGLUMLP": "LigerSwiGLUMLP", "GeGLUMLP": "LigerGEGLUMLP"}
+    )
     assert model.swiglu.forward.__func__.__qualname__ == "LigerSwiGLUMLP.forward"
     assert model.geglu.forward.__func__.__qualname__ == "LigerGEGLUMLP.forward"
     assert model.swiglu.forward.__func__.__module__.startswith(lk.__name__)
@@ -243,7 +250,11 @@ def test_kernelize_training_maps_the_tiled_layers(lk, variant_root):
     reference = copy.deepcopy(model)
     layers = {"SwiGLUMLP": "LigerTiledSwiGLUMLP", "GeGLUMLP": "LigerTiledGEGLUMLP", "Linear": "LigerLinear"}
     kernelize_block(model, variant_root, Mode.TRAINING, layers)
-    for module, layer in ((model.swiglu, "LigerTiledSwiGLUMLP"), (model.geglu, "LigerTiledGEGLUMLP"), (model.head, "LigerLinear")):
+    for module, layer in (
+        (model.swiglu, "LigerTiledSwiGLUMLP"),
+        (model.geglu, "LigerTiledGEGLUMLP"),
+        (model.head, "LigerLinear"),
+    ):
         assert module.forward.__func__.__qualname__ == f"{layer}.forward"
     assert_block_matches(model, reference)
 
@@ -281,7 +292,11 @@ def test_tiled_layer_bf16_weight_gradients_within_untiled_error(lk):
     tiled.num_shards = 64
     x = torch.randn(1, 4096, HIDDEN, dtype=torch.float64)
     d_out = torch.randn_like(x)
-    (_, want), (_, got_e), (_, got_t) = run(host64, x, d_out), run(eager, x.bfloat16(), d_out.bfloat16()), run(tiled, x.bfloat16(), d_out.bfloat16())
+    (_, want), (_, got_e), (_, got_t) = (
+        run(host64, x, d_out),
+        run(eager, x.bfloat16(), d_out.bfloat16()),
+        run(tiled, x.bfloat16(), d_out.bfloat16()),
+    )
     for w, e, t in zip(want[1:], got_e[1:], got_t[1:]):
         assert t.dtype == torch.bfloat16
         assert rel_err(t, w) <= 1.5 * rel_err(e, w)

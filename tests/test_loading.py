@@ -5,7 +5,7 @@ import json
 import kernels
 import pytest
 
-from conftest import ROOT, build_variants
+from harness import ROOT, build_variants
 
 
 def test_variant_tree_layout_and_metadata(variant_root):
@@ -30,8 +30,14 @@ def test_variant_tree_layout_and_metadata(variant_root):
 def test_get_local_kernel_loads_the_cpu_variant(lk, variant_root):
     assert "_cpu_" in lk.__name__
     assert lk.__file__.startswith(str(variant_root / "build" / "torch-cpu"))
-    for name in ("LigerSiLUMulFunction", "LigerGELUMulFunction", "LigerTiledMLPFunction", "apply_tiled_mlp",
-                 "kernel_mapping", "register_kernel_mapping"):
+    for name in (
+        "LigerSiLUMulFunction",
+        "LigerGELUMulFunction",
+        "LigerTiledMLPFunction",
+        "apply_tiled_mlp",
+        "kernel_mapping",
+        "register_kernel_mapping",
+    ):
         assert hasattr(lk, name), name
     for name in ("LigerSwiGLUMLP", "LigerGEGLUMLP", "LigerTiledSwiGLUMLP", "LigerTiledGEGLUMLP", "LigerLinear"):
         assert hasattr(lk.layers, name), name

@@ -7,22 +7,29 @@ import copy
 import kernels
 import pytest
 import torch
-from conftest import rel_err
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from harness import rel_err
+
 FP32_BOUND = 16 * torch.finfo(torch.float32).eps
 B, S, H, V = 2, 9, 16, 40
-SIZES = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+SIZES = {
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def batch(seed=0, pad=3):
     """Labels with the last `pad` positions of the second row ignored (right padding)."""
     generator = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, V, (B, S), generator=generator)
-    labels[1, S - pad:] = -100
+    labels[1, S - pad :] = -100
     return labels
 
 
@@ -63,9 +70,17 @@ def test_fused_path_equals_transformers_on_the_logits(lk, case, softcap, backend
     weight = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(V, dtype=torch.float64, requires_grad=True)
     dtype = torch.float32 if backend_name == "triton" else torch.float64
-    got = lk.LigerForCausalLMLoss(None, labels, V, hidden_states=hidden.to(dtype), lm_head_weight=weight.to(dtype),
-                                  lm_head_bias=bias.to(dtype), hidden_size=H, final_logit_softcapping=softcap,
-                                  **kwargs)  # fmt: skip
+    got = lk.LigerForCausalLMLoss(
+        None,
+        labels,
+        V,
+        hidden_states=hidden.to(dtype),
+        lm_head_weight=weight.to(dtype),
+        lm_head_bias=bias.to(dtype),
+        hidden_size=H,
+        final_logit_softcapping=softcap,
+        **kwargs,
+    )
     logits = torch.nn.functional.linear(hidden, weight, bias)
     if softcap is not None:  # what Gemma-2 does to its logits before calling the loss
         logits = softcap * torch.tanh(logits / softcap)
@@ -87,16 +102,18 @@ def _causal_loss64(logits, labels, num_items_in_batch=None, shift_labels=None):
     if shift_labels is None:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
-                                             reduction=reduction)  # fmt: skip
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), reduction=reduction
+    )
     return loss / num_items_in_batch if num_items_in_batch is not None else loss
 
 
 def test_token_accuracy_passes_through(lk):
     labels = batch()
     hidden, weight = torch.randn(B, S, H), torch.randn(V, H)
-    out = lk.LigerForCausalLMLoss(None, labels, V, hidden_states=hidden, lm_head_weight=weight,
-                                  return_token_accuracy=True, num_items_in_batch=4)  # fmt: skip
+    out = lk.LigerForCausalLMLoss(
+        None, labels, V, hidden_states=hidden, lm_head_weight=weight, return_token_accuracy=True, num_items_in_batch=4
+    )
     plain = lk.LigerForCausalLMLoss(None, labels, V, hidden_states=hidden, lm_head_weight=weight, num_items_in_batch=4)
     assert isinstance(out, lk.CrossEntropyOutput) and out.token_accuracy is not None
     torch.testing.assert_close(out.loss, plain, rtol=0, atol=0)
@@ -213,8 +230,8 @@ def test_wrapper_module_and_ddp_refusal(lk):
 def test_ddp_two_ranks_equal_single_process(variant_root, tmp_path):
     """CausalLMWithFusedLoss(LlamaForCausalLM) wrapped in DDP on 2 gloo ranks: every gradient equals a
     single-process run over both ranks' batches of the loss on the model's logits (float64). 60 s watchdog."""
-    from flce_workers import ddp_fused_loss
-    from train_ddp import launch
+    from dist_workers import ddp_fused_loss
+    from harness import launch
 
     results = launch(ddp_fused_loss, 2, variant_root, {}, tmp_path, timeout_s=60)
     for result in results:
@@ -226,8 +243,14 @@ def test_cuda_causal_lm_loss_bf16_llama(lk):
     """A bf16 Llama on the GPU (Triton kernels): causal_lm_loss's loss and gradients no worse than the model's
     own bf16 loss, both against the float64 model."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
     model64 = LlamaForCausalLM(config).double().cuda()
     model = copy.deepcopy(model64).to(torch.bfloat16)
     ids = torch.randint(0, 32000, (4, 1024), device="cuda")
@@ -256,8 +279,15 @@ def test_loss_compiles_without_graph_break(lk):
 
     def both(logits, hidden, weight):
         from_logits = lk.LigerForCausalLMLoss(logits, labels, V)
-        fused = lk.LigerForCausalLMLoss(None, labels, V, num_items_in_batch=torch.tensor(7), hidden_states=hidden,
-                                        lm_head_weight=weight, final_logit_softcapping=3.0)  # fmt: skip
+        fused = lk.LigerForCausalLMLoss(
+            None,
+            labels,
+            V,
+            num_items_in_batch=torch.tensor(7),
+            hidden_states=hidden,
+            lm_head_weight=weight,
+            final_logit_softcapping=3.0,
+        )
         return from_logits + fused
 
     explained = torch._dynamo.explain(both)(logits, hidden, weight)

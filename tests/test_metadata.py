@@ -5,8 +5,9 @@ import copy
 import re
 
 import pytest
-from conftest import ROOT, build_variants
 from kernels._rust import Metadata
+
+from harness import ROOT, build_variants
 
 LICENSE = "BSD-2-Clause"
 UPSTREAM = "https://github.com/linkedin/Liger-Kernel"

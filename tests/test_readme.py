@@ -15,8 +15,9 @@ import kernels
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, build_variants
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from harness import ROOT, build_variants
 
 HUB_REPO = "kernels-community/liger-kernels"
 CHECKOUT = "/path/to/liger-kernels"

@@ -12,10 +12,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
 
-from conftest import (
-    FLOAT_DTYPES, INTERPRETED, assert_close_to_rounding, assert_faithful, backend, compute_eps, poisoned_outputs,
-    quantize, rel_err, truncates_bf16,
-)  # fmt: skip
+from harness import (
+    FLOAT_DTYPES,
+    INTERPRETED,
+    assert_close_to_rounding,
+    assert_faithful,
+    backend,
+    compute_eps,
+    poisoned_outputs,
+    quantize,
+    rel_err,
+    truncates_bf16,
+)
 
 # transformers' function as the modeling file defines it (the class forward, so a kernelized instance does
 # not change the reference); ``self`` is unused.
@@ -104,7 +112,11 @@ def run_both(lk, q, k, cos, sin, unsqueeze_dim, reference=transformers_rope):
     d_q = torch.randn(ref_q.shape, dtype=torch.float64, device=q.device)
     d_k = torch.randn(ref_k.shape, dtype=torch.float64, device=q.device)
     ours = (q_embed, k_embed, *grads((q_embed, k_embed), (q, k), (d_q.to(q_embed.dtype), d_k.to(k_embed.dtype))))
-    ref = (ref_q, ref_k, *grads((ref_q, ref_k), (q64, k64), (d_q.to(q_embed.dtype).double(), d_k.to(k_embed.dtype).double())))
+    ref = (
+        ref_q,
+        ref_k,
+        *grads((ref_q, ref_k), (q64, k64), (d_q.to(q_embed.dtype).double(), d_k.to(k_embed.dtype).double())),
+    )
     return ours, ref
 
 
@@ -427,7 +439,12 @@ def bad_inputs():
         ("q list", lambda f: f(q.tolist(), k, cos, sin), TypeError, "`q` must be a torch.Tensor"),
         ("sin float", lambda f: f(q, k, cos, 0.5), TypeError, "`sin` must be a torch.Tensor"),
         ("integer", lambda f: f(q.long(), k.long(), cos, sin), TypeError, "`q` must be float16, bfloat16"),
-        ("float8", lambda f: f(q, k, cos.to(torch.float8_e4m3fn), sin.to(torch.float8_e4m3fn)), TypeError, "`cos` must be float16"),
+        (
+            "float8",
+            lambda f: f(q, k, cos.to(torch.float8_e4m3fn), sin.to(torch.float8_e4m3fn)),
+            TypeError,
+            "`cos` must be float16",
+        ),
         ("complex", lambda f: f(q.cfloat(), k.cfloat(), cos, sin), TypeError, "`q` must be float16"),
         ("q/k dtype", lambda f: f(q, k.double(), cos, sin), TypeError, "`q` and `k` must have the same dtype"),
         ("cos/sin dtype", lambda f: f(q, k, cos, sin.half()), TypeError, "`cos` and `sin` must have the same dtype"),
@@ -644,12 +661,22 @@ def restore_llama_rope():
 def test_kernelize_llama_rotary(lk, variant_root, mode, restore_llama_rope):
     """kernelize maps transformers' "rotary_pos_emb" to the layer: a float64 Llama computes the same loss
     and gradients bit for bit (the PyTorch path does transformers' float64 arithmetic)."""
-    flag = {"TRAINING": Mode.TRAINING, "INFERENCE": Mode.INFERENCE, "TRAINING_COMPILE": Mode.TRAINING | Mode.TORCH_COMPILE}[mode]
+    flag = {
+        "TRAINING": Mode.TRAINING,
+        "INFERENCE": Mode.INFERENCE,
+        "TRAINING_COMPILE": Mode.TRAINING | Mode.TORCH_COMPILE,
+    }[mode]
     repo = LocalLayerRepository(variant_root, layer_name="liger_rotary_pos_emb_layer")
     mapping = {"rotary_pos_emb": {"cpu": {flag: repo}}}
     torch.manual_seed(19)
-    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM(config).double()
     ids = torch.randint(0, 97, (2, 19))
     want = model(input_ids=ids, labels=ids).loss
@@ -668,9 +695,17 @@ def test_kernelize_llama_rotary(lk, variant_root, mode, restore_llama_rope):
 def test_kernelized_llama_traces_without_graph_break(lk, variant_root, restore_llama_rope, fresh_dynamo):
     """Mode.TRAINING | Mode.TORCH_COMPILE: the whole model is one graph with the rotary op in it."""
     flag = Mode.TRAINING | Mode.TORCH_COMPILE
-    mapping = {"rotary_pos_emb": {"cpu": {flag: LocalLayerRepository(variant_root, layer_name="liger_rotary_pos_emb_layer")}}}
-    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    mapping = {
+        "rotary_pos_emb": {"cpu": {flag: LocalLayerRepository(variant_root, layer_name="liger_rotary_pos_emb_layer")}}
+    }
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM(config)
     with use_kernel_mapping(mapping, inherit_mapping=False):
         kernelize(model.train(), mode=flag, device="cpu")

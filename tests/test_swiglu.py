@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import backend
+from harness import backend
 
 
 def test_hub_signature_defaults(lk, backend_name):
@@ -35,7 +35,9 @@ def test_gradcheck_float64_pytorch_path(lk):
         assert torch.autograd.gradcheck(lambda x, y: lk.LigerSiLUMulFunction.apply(x, y, 0.8, 1.3), (a, b))
 
 
-@pytest.mark.parametrize("arg, value", [("gate_multiplier", "2"), ("down_multiplier", torch.tensor(1.0)), ("gate_multiplier", True)])
+@pytest.mark.parametrize(
+    "arg, value", [("gate_multiplier", "2"), ("down_multiplier", torch.tensor(1.0)), ("gate_multiplier", True)]
+)
 def test_bad_multiplier(lk, arg, value):
     a = torch.randn(2, 4)
     with pytest.raises(TypeError, match=f"`{arg}` must be a real number"):
@@ -46,5 +48,3 @@ def test_bad_in_place_flag(lk):
     a = torch.randn(2, 4)
     with pytest.raises(TypeError, match="`in_place_backward` must be a bool"):
         lk.silu_mul(a, a, 1.0, 1.0, "yes")
-
-

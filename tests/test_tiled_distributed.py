@@ -3,8 +3,9 @@
 
 import pytest
 
+from ddp_demo import run_rank
 from dist_workers import engine_case, rank_subset_calls, uneven_sequences
-from train_ddp import launch, run_rank
+from harness import launch
 
 DDP_CASES = {
     "default": {},
@@ -63,5 +64,3 @@ def test_a_tiled_call_on_one_rank_only_neither_hangs_nor_pairs_with_other_collec
     """Rank-0-only evaluation with a model kernelized for training: no hidden collective."""
     logs = launch(rank_subset_calls, 2, variant_root, {}, tmp_path, timeout_s=60)
     assert [log["logged"] for log in logs] == [3.0, 3.0]
-
-

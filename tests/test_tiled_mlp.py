@@ -8,8 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import rel_err
-from tiled_cases import DropoutGatedMLP, GatedMLP, call, max_abs_diff, tiled_and_untiled_grads
+from harness import DropoutGatedMLP, GatedMLP, call, max_abs_diff, rel_err, tiled_and_untiled_grads
 
 H = 64
 
@@ -108,7 +107,9 @@ def test_bad_arguments(lk):
 def accumulation_log(module):
     log = {name: [] for name, _ in module.named_parameters()}
     for name, p in module.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, name=name: log[name].append(getattr(p, "ds_grad_is_ready", None)))
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: log[name].append(getattr(p, "ds_grad_is_ready", None))
+        )
     return log
 
 
@@ -193,8 +194,8 @@ def test_bf16_weight_gradients_summed_in_fp32(lk):
 
 
 def test_graph_saves_x_and_nothing_intermediate_sized(lk):
-    S, I = 512, 4 * H
-    module = GatedMLP(H, I)
+    S, inter = 512, 4 * H
+    module = GatedMLP(H, inter)
     x = torch.randn(1, S, H, requires_grad=True)
     saved = []
 
@@ -205,7 +206,7 @@ def test_graph_saves_x_and_nothing_intermediate_sized(lk):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = lk.apply_tiled_mlp(call, module, x, 4)
     assert (x.numel(), x.data_ptr()) in saved
-    assert max(n for n, _ in saved) <= S * H < S * I
+    assert max(n for n, _ in saved) <= S * H < S * inter
     out.sum().backward()  # and the graph still runs
 
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, Phi3Config
 from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
-from conftest import INTERPRETED, backend
+from harness import INTERPRETED, backend
 
 HIDDEN, INTERMEDIATE, SEQ = 32, 80, 96  # 3 automatic shards
 
@@ -116,10 +116,12 @@ def test_stacked_ensemble_with_vmap(lk):
         params, buffers = torch.func.stack_module_state(modules)
         skeleton = copy.deepcopy(modules[0]).to("meta")
 
-        def loss(p, b, x_):
+        def loss(p, b, x_, skeleton=skeleton):
             return (torch.func.functional_call(skeleton, (p, b), (x_,)) ** 2).sum()
 
-        grads, value = torch.func.vmap(torch.func.grad_and_value(loss, argnums=0), in_dims=(0, 0, None))(params, buffers, x)
+        grads, value = torch.func.vmap(torch.func.grad_and_value(loss, argnums=0), in_dims=(0, 0, None))(
+            params, buffers, x
+        )
         results.append([grads[n] for n in sorted(grads)] + [value])
     assert_same(*results)
 
@@ -132,7 +134,7 @@ def test_per_sample_gradients(lk):
     for module in tiled_and_plain(lk, host):
         params = {n: p.detach() for n, p in module.named_parameters()}
 
-        def loss(p, sample, d):
+        def loss(p, sample, d, module=module):
             return (torch.func.functional_call(module, p, (sample.unsqueeze(0),)) * d).sum()
 
         grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, d_out)
@@ -150,7 +152,7 @@ def test_backward_hooks_on_projections_fire_as_in_the_plain_module(lk, hook):
     for module in tiled_and_plain(lk, host):
         seen = []
 
-        def record(mod, *grads):  # (grad_input, grad_output) or (grad_output,): records grad_output
+        def record(mod, *grads, seen=seen):  # (grad_input, grad_output) or (grad_output,): records grad_output
             seen.append([g.clone() for g in grads[-1] if g is not None])
             return tuple(None if g is None else g * 0.5 for g in grads[0])
 
@@ -178,7 +180,9 @@ def test_peft_lora_on_the_projections(lk):
     """peft's LoRA (its own Linear wrappers) on gate/up/down: every gradient, the adapters' included."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False
+    )
 
     class Holder(nn.Module):
         def __init__(self):
@@ -223,7 +227,9 @@ def test_compiled_tiled_layer_with_lora_dropout_is_exact(lk):
     compiled run equals the eager run with the same seed, outputs and gradients."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["gate_proj", "up_proj"], init_lora_weights=False)
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["gate_proj", "up_proj"], init_lora_weights=False
+    )
 
     class Holder(nn.Module):
         def __init__(self):
@@ -311,7 +317,9 @@ def test_host_with_activation_sparsity_is_refused(lk):
     )
     for layer in ("LigerGEGLUMLP", "LigerTiledGEGLUMLP"):
         host = bind(getattr(lk, layer), Gemma3nTextMLP(config, layer_idx=0))
-        with pytest.raises(ValueError, match="liger-kernels .*Gemma3nTextMLP cannot be served: .*if self.activation_sparsity"):
+        with pytest.raises(
+            ValueError, match="liger-kernels .*Gemma3nTextMLP cannot be served: .*if self.activation_sparsity"
+        ):
             host(torch.randn(2, 5, HIDDEN))
 
 

@@ -34,6 +34,7 @@ from .layers import (
     LigerForCausalLMLossLayer,
     LigerGEGLUMLP,
     LigerLinear,
+    LigerRMSNorm,
     LigerSwiGLUMLP,
     LigerTiledGEGLUMLP,
     LigerTiledSwiGLUMLP,
@@ -41,6 +42,9 @@ from .layers import (
 )
 from .loss import CausalLMWithFusedLoss, LigerForCausalLMLoss, causal_lm_loss
 from .mapping import kernel_mapping, register_kernel_mapping
+
+# The function, not its module, is the package's `rms_norm` (the module: sys.modules[__name__ + ".rms_norm"]).
+from .rms_norm import LigerRMSNormFunction, rms_norm
 from .rotary import liger_rotary_pos_emb
 from .swiglu import LigerSiLUMulFunction, silu_mul
 from .tiled_mlp import LigerTiledMLPFunction, apply_tiled_mlp
@@ -54,6 +58,8 @@ __all__ = [
     "LigerGEGLUMLP",
     "LigerGELUMulFunction",
     "LigerLinear",
+    "LigerRMSNorm",
+    "LigerRMSNormFunction",
     "LigerSiLUMulFunction",
     "LigerSwiGLUMLP",
     "LigerTiledGEGLUMLP",
@@ -75,6 +81,7 @@ __all__ = [
     "loss",
     "mapping",
     "register_kernel_mapping",
+    "rms_norm",
     "rotary",
     "silu_mul",
     "swiglu",

@@ -9,14 +9,12 @@ their launchers, the PyTorch path and the torch.library ops must change together
 """
 
 import numbers
-from typing import Optional, Tuple
 
 import torch
 
 from . import _backend
 from ._backend import constexpr, jit, tl, triton, use_triton
 from .activations import REGISTRY, GatedActivation
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Validation: every check runs before any launch.
@@ -85,11 +83,19 @@ def _row_and_cols(n_cols, ONE_ROW: constexpr, BLOCK: constexpr):
 
 @jit
 def _gated_forward_kernel(
-    gate_ptr, up_ptr, out_ptr,
-    n_cols, gate_row_stride, up_row_stride, out_row_stride,
-    gate_multiplier, down_multiplier,
-    ACTIVATION: constexpr, ONE_ROW: constexpr, BLOCK: constexpr,
-):  # fmt: skip
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    n_cols,
+    gate_row_stride,
+    up_row_stride,
+    out_row_stride,
+    gate_multiplier,
+    down_multiplier,
+    ACTIVATION: constexpr,
+    ONE_ROW: constexpr,
+    BLOCK: constexpr,
+):
     row, cols = _row_and_cols(n_cols, ONE_ROW, BLOCK)
     mask = cols < n_cols
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask).to(tl.float32)
@@ -100,11 +106,25 @@ def _gated_forward_kernel(
 
 @jit
 def _gated_backward_kernel(
-    d_out_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, out_ptr,
-    n_cols, d_out_row_stride, gate_row_stride, up_row_stride, d_gate_row_stride, d_up_row_stride,
-    gate_multiplier, down_multiplier,
-    ACTIVATION_AND_GRAD: constexpr, STORE_OUT: constexpr, ONE_ROW: constexpr, BLOCK: constexpr,
-):  # fmt: skip
+    d_out_ptr,
+    gate_ptr,
+    up_ptr,
+    d_gate_ptr,
+    d_up_ptr,
+    out_ptr,
+    n_cols,
+    d_out_row_stride,
+    gate_row_stride,
+    up_row_stride,
+    d_gate_row_stride,
+    d_up_row_stride,
+    gate_multiplier,
+    down_multiplier,
+    ACTIVATION_AND_GRAD: constexpr,
+    STORE_OUT: constexpr,
+    ONE_ROW: constexpr,
+    BLOCK: constexpr,
+):
     row, cols = _row_and_cols(n_cols, ONE_ROW, BLOCK)
     mask = cols < n_cols
     d_out = tl.load(d_out_ptr + row * d_out_row_stride + cols, mask=mask).to(tl.float32)
@@ -149,11 +169,20 @@ def _forward_triton(gate, up, activation: GatedActivation, gate_multiplier, down
     out = _backend.new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
     gate_rows, up_rows, out_rows = _as_rows([gate, up, out])
     _gated_forward_kernel[_grid(out_rows)](
-        gate_rows, up_rows, out_rows,
-        out_rows.shape[1], gate_rows.stride(0), up_rows.stride(0), out_rows.stride(0),
-        gate_multiplier, down_multiplier,
-        ACTIVATION=activation.triton_value, ONE_ROW=out_rows.shape[0] == 1, BLOCK=BLOCK, num_warps=NUM_WARPS,
-    )  # fmt: skip
+        gate_rows,
+        up_rows,
+        out_rows,
+        out_rows.shape[1],
+        gate_rows.stride(0),
+        up_rows.stride(0),
+        out_rows.stride(0),
+        gate_multiplier,
+        down_multiplier,
+        ACTIVATION=activation.triton_value,
+        ONE_ROW=out_rows.shape[0] == 1,
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )
     return out
 
 
@@ -169,13 +198,26 @@ def _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multipli
         # _as_rows had to copy: write into the copies, which are the gradients.
         d_gate, d_up = d_gate_rows.view(gate.shape), d_up_rows.view(up.shape)
     _gated_backward_kernel[_grid(d_out_rows)](
-        d_out_rows, gate_rows, up_rows, d_gate_rows, d_up_rows, out_rows,
-        d_out_rows.shape[1], d_out_rows.stride(0), gate_rows.stride(0), up_rows.stride(0),
-        d_gate_rows.stride(0), d_up_rows.stride(0),
-        gate_multiplier, down_multiplier,
-        ACTIVATION_AND_GRAD=activation.triton_value_and_grad, STORE_OUT=out is not None,
-        ONE_ROW=d_out_rows.shape[0] == 1, BLOCK=BLOCK, num_warps=NUM_WARPS,
-    )  # fmt: skip
+        d_out_rows,
+        gate_rows,
+        up_rows,
+        d_gate_rows,
+        d_up_rows,
+        out_rows,
+        d_out_rows.shape[1],
+        d_out_rows.stride(0),
+        gate_rows.stride(0),
+        up_rows.stride(0),
+        d_gate_rows.stride(0),
+        d_up_rows.stride(0),
+        gate_multiplier,
+        down_multiplier,
+        ACTIVATION_AND_GRAD=activation.triton_value_and_grad,
+        STORE_OUT=out is not None,
+        ONE_ROW=d_out_rows.shape[0] == 1,
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )
     return d_gate, d_up
 
 
@@ -217,7 +259,7 @@ def gated_forward(gate, up, activation, gate_multiplier=1.0, down_multiplier=1.0
 
 def gated_backward(
     d_out, gate, up, activation, gate_multiplier=1.0, down_multiplier=1.0, in_place=False
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients for ``gate`` and ``up``. With ``in_place`` they are written into (and returned as) the
     ``gate`` and ``up`` buffers, which on the Triton path saves two activation-sized allocations; only for
     buffers nothing else reads."""
@@ -313,7 +355,7 @@ def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplie
     ctx.in_place = in_place and may_write_over(gate, up)
 
 
-def backward_from_ctx(ctx, d_out) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     gate, up = ctx.saved_tensors
     args = (ctx.activation, ctx.gate_multiplier, ctx.down_multiplier)
     if torch.is_grad_enabled() or transforms_active(d_out, gate, up):
@@ -331,11 +373,16 @@ def backward_from_ctx(ctx, d_out) -> Tuple[Optional[torch.Tensor], Optional[torc
 
 NAMESPACE = __name__.split(".")[0]
 
+
 @torch.library.custom_op(f"{NAMESPACE}::gated_forward", mutates_args=())
 def gated_forward_op(
-    gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float, down_multiplier: float,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    gate_multiplier: float,
+    down_multiplier: float,
     in_place_backward: bool,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     return gated_forward(gate, up, REGISTRY[activation], gate_multiplier, down_multiplier)
 
 
@@ -346,9 +393,13 @@ def _(gate, up, activation, gate_multiplier, down_multiplier, in_place_backward)
 
 @torch.library.custom_op(f"{NAMESPACE}::gated_backward", mutates_args=())
 def gated_backward_op(
-    d_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float,
+    d_out: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    gate_multiplier: float,
     down_multiplier: float,
-) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     return gated_backward(d_out, gate, up, REGISTRY[activation], gate_multiplier, down_multiplier)
 
 
@@ -359,9 +410,13 @@ def _(d_out, gate, up, activation, gate_multiplier, down_multiplier):
 
 @torch.library.custom_op(f"{NAMESPACE}::gated_backward_in_place", mutates_args=("gate", "up"))
 def gated_backward_in_place_op(
-    d_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float,
+    d_out: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    gate_multiplier: float,
     down_multiplier: float,
-) -> None:  # fmt: skip
+) -> None:
     gated_backward(d_out, gate, up, REGISTRY[activation], gate_multiplier, down_multiplier, in_place=True)
 
 
@@ -388,7 +443,14 @@ def _backward(ctx, d_out):
         d_gate, d_up = gate, up
     else:  # compiled graphs get the pure op: the compiler plans the buffers itself
         d_gate, d_up = gated_backward_op(d_out, gate, up, *ctx.args)
-    return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None), None, None, None, None
+    return (
+        (d_gate if ctx.needs_input_grad[0] else None),
+        (d_up if ctx.needs_input_grad[1] else None),
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 torch.library.register_autograd(gated_forward_op, _backward, setup_context=_setup_context)
@@ -434,4 +496,6 @@ def gated_mul(a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0,
     act = check_activation(activation, op)
     gate_multiplier = check_multiplier(gate_multiplier, "gate_multiplier", op)
     down_multiplier = check_multiplier(down_multiplier, "down_multiplier", op)
-    return gated_apply(a, b, act, gate_multiplier, down_multiplier, check_flag(in_place_backward, "in_place_backward", op))
+    return gated_apply(
+        a, b, act, gate_multiplier, down_multiplier, check_flag(in_place_backward, "in_place_backward", op)
+    )

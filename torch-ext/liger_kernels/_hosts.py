@@ -16,11 +16,12 @@ serve hosts whose own forward it reproduces exactly. Two things are read from th
 import ast
 import inspect
 import textwrap
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from . import rms_norm as _rms_norm
 from .activations import REGISTRY
 
 # How hosts announce an activation, read from the registry: class names of activation modules, and config
@@ -30,7 +31,7 @@ _BY_CONFIG = {name: a.name for a in REGISTRY.values() for name in a.config_names
 _ACTIVATION_ATTRIBUTES = ("act_fn", "activation_fn")
 
 
-def host_activation(module: nn.Module) -> Optional[str]:
+def host_activation(module: nn.Module) -> str | None:
     """The registry name of the gated activation ``module`` computes, None when the module does not say, or
     a string describing an activation this package lacks."""
     for attribute in _ACTIVATION_ATTRIBUTES:
@@ -122,7 +123,7 @@ def _return_term(function: ast.FunctionDef):
     raise _Unknown("no return statement")
 
 
-def _match_gated(term) -> Optional[str]:
+def _match_gated(term) -> str | None:
     x = ("x",)
     if term[0] != "call" or term[1] != "down_proj" or term[2][0] != "mul":
         return None
@@ -137,8 +138,8 @@ def _match_gated(term) -> Optional[str]:
 
 
 class HostForm(NamedTuple):
-    form: Optional[str]  # SEPARATE / FUSED for a gated MLP; None for a host without a forward of its own
-    problem: Optional[str]  # why the host is refused, or None
+    form: str | None  # SEPARATE / FUSED for a gated MLP; None for a host without a forward of its own
+    problem: str | None  # why the host is refused, or None
 
 
 _GATED_FORMS = {}  # host class -> HostForm
@@ -193,3 +194,172 @@ def is_plain_linear(module) -> bool:
         and not _hooks_anywhere(module)
         and not module.weight.is_meta
     )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# RMSNorm hosts.
+#
+# LigerRMSNorm serves every module transformers tags "RMSNorm", so it must be sure to compute what the
+# host's own forward computes. It reads the host class's ``forward`` source once (cached per class) and
+# compares its syntax tree, normalized, with the forms below: argument and local names, annotations and the
+# docstring do not matter; every operation, its order and the dtypes it casts to do. That is cheap (one
+# parse per class, then a dict lookup) and robust where the alternatives are not: the class name says
+# nothing about a subclass or a user's own module; a numeric probe would run the host's forward (on its
+# device, possibly under torch.compile) and can miss a cast that changes nothing on the probe's values.
+# Anything else (Gemma's ``(1 + weight)``, a bias, a decorated forward, source that cannot be read) is
+# refused with a ValueError, unless declared with :func:`declare_rms_norm_host`.
+
+_EPS_ATTRIBUTES = ("variance_epsilon", "eps")
+_RMS_NORM_FORMS = (  # (forward, casting, offset). `self.eps` stands for either attribute above.
+    # LlamaRMSNorm (Mistral, Qwen2/3, Phi-3, ...): the weight times x_normed rounded to the input dtype.
+    (
+        """
+def forward(self, x):
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    mean_square = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(mean_square + self.eps)
+    return self.weight * x.to(dtype)
+""",
+        "llama",
+        0.0,
+    ),
+    # The product in fp32, rounded once (OLMo hybrid, FlexOlmo, DeepSeek-V4, NemotronH, ...): rms_norm's
+    # "gemma" casting with offset 0.
+    (
+        """
+def forward(self, x):
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    mean_square = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(mean_square + self.eps)
+    return (self.weight * x).to(dtype)
+""",
+        "gemma",
+        0.0,
+    ),
+    (
+        """
+def forward(self, x):
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    mean_square = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(mean_square + self.eps)
+    return (self.weight.to(torch.float32) * x).to(dtype)
+""",
+        "gemma",
+        0.0,
+    ),
+)
+
+
+class _CanonicalNames(ast.NodeTransformer):
+    """Renames arguments and locals by order of appearance and the epsilon attribute of the first argument
+    (self) to ``EPS``, recording which one it was."""
+
+    def __init__(self, local_names):
+        self.local_names = local_names
+        self.names = {}
+        self.eps_attributes = set()
+
+    def _canonical(self, name):
+        return self.names.setdefault(name, f"v{len(self.names)}")
+
+    def visit_arg(self, node):
+        node.arg, node.annotation, node.type_comment = self._canonical(node.arg), None, None
+        return node
+
+    def visit_AnnAssign(self, node):  # `name: type = value` assigns as `name = value` does
+        if node.value is None:
+            return node
+        return self.visit(ast.Assign(targets=[node.target], value=node.value, type_comment=None))
+
+    def visit_Name(self, node):
+        if node.id in self.local_names:
+            node.id = self._canonical(node.id)
+        return node
+
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        if isinstance(node.value, ast.Name) and node.value.id == "v0" and node.attr in _EPS_ATTRIBUTES:
+            self.eps_attributes.add(node.attr)
+            node.attr = "EPS"
+        return node
+
+
+def _normalized(source: str):
+    """(normalized dump of the function in ``source``, epsilon attributes it reads), or None."""
+    try:
+        function = ast.parse(textwrap.dedent(source)).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not isinstance(function, ast.FunctionDef):
+        return None
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0].value, "value", None), str):
+        body = body[1:]  # the docstring
+    function.name, function.returns, function.type_comment, function.body = "forward", None, None, body
+    arguments = function.args
+    local_names = {a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)}
+    local_names |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
+    local_names |= {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    names = _CanonicalNames(local_names)
+    names.visit(function)
+    return ast.dump(function), names.eps_attributes
+
+
+_KNOWN_FORMS = {_normalized(source)[0]: (casting, offset) for source, casting, offset in _RMS_NORM_FORMS}
+_RMS_NORM_HOSTS = {}  # host class -> (casting, offset, epsilon attribute, "" or why it is refused)
+
+
+def _classify_rms_norm_host(cls) -> tuple:
+    def refused(why):
+        return (
+            None,
+            0.0,
+            None,
+            (
+                f"LigerRMSNorm reproduces LlamaRMSNorm's weight * x_normed.to(x.dtype) and the fp32 product "
+                f"(weight * x_normed).to(x.dtype), but the host {cls.__module__}.{cls.__qualname__} {why}; "
+                f"leave this module unmapped (do not kernelize its "
+                f'"RMSNorm" layer), or, if its forward is one of rms_norm\'s castings, declare it with '
+                f"layers.declare_rms_norm_host({cls.__qualname__}, casting=..., offset=..., eps_attribute=...)"
+            ),
+        )
+
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return refused("has a forward whose source cannot be read to confirm what it computes")
+    normalized = _normalized(source)
+    form = _KNOWN_FORMS.get(normalized[0]) if normalized is not None else None
+    if form is None:
+        return refused("has a forward of another form (a (1 + weight) scale, a bias, other casts, ...)")
+    return (*form, normalized[1].pop(), "")
+
+
+def rms_norm_host(cls) -> tuple:
+    """``(casting, offset, eps attribute, refusal)`` for a host class, cached. Under torch.compile it is
+    evaluated while tracing and its result used as a constant (the mark torch.compiler.assume_constant_result
+    sets, set here without importing dynamo when the package loads)."""
+    form = _RMS_NORM_HOSTS.get(cls)
+    if form is None:
+        form = _RMS_NORM_HOSTS[cls] = _classify_rms_norm_host(cls)
+    return form
+
+
+rms_norm_host._dynamo_marked_constant = True
+
+
+def declare_rms_norm_host(host_class, casting="llama", offset=0.0, eps_attribute="variance_epsilon") -> None:
+    """Declare that ``host_class.forward`` computes ``rms_norm(x, self.weight, self.<eps_attribute>, offset,
+    casting)``, for a host LigerRMSNorm does not recognize (e.g. ``GemmaRMSNorm``: ``casting="gemma",
+    offset=1.0, eps_attribute="eps"``). The declaration is trusted, not checked."""
+    if not isinstance(host_class, type):
+        raise TypeError(f"declare_rms_norm_host: `host_class` must be a class, got {type(host_class).__name__}")
+    if casting not in _rms_norm.CASTINGS:
+        raise ValueError(f"declare_rms_norm_host: `casting` must be one of {_rms_norm.CASTINGS}, got {casting!r}")
+    if not isinstance(eps_attribute, str):
+        raise TypeError(f"declare_rms_norm_host: `eps_attribute` must be a str, got {type(eps_attribute).__name__}")
+    offset = _rms_norm._check_real(offset, "offset")
+    _RMS_NORM_HOSTS[host_class] = (casting, offset, eps_attribute, "")

@@ -24,7 +24,9 @@ def replay_autocast(state):
     kinds, cache_enabled = state
     with contextlib.ExitStack() as stack:
         for kind, enabled, dtype in kinds:
-            stack.enter_context(torch.autocast(device_type=kind, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
+            stack.enter_context(
+                torch.autocast(device_type=kind, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            )
         yield
 
 
@@ -68,7 +70,9 @@ def capture_tensors(module):
     """Every (table, name, tensor) of ``module``'s and its submodules' parameters and buffers."""
     if not isinstance(module, torch.nn.Module):
         return []
-    return [(table, name, t) for m in module.modules() for table in (m._parameters, m._buffers) for name, t in table.items()]
+    return [
+        (table, name, t) for m in module.modules() for table in (m._parameters, m._buffers) for name, t in table.items()
+    ]
 
 
 @contextlib.contextmanager

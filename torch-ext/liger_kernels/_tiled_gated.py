@@ -12,7 +12,7 @@ output and both gradients, and the weight gradients are summed in fp32 by the GE
 device supports it.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ class GatedPlan(NamedTuple):
     down: tuple
 
 
-def gated_plan(fn, mlp_module, x, params, zero3_params) -> Optional[GatedPlan]:
+def gated_plan(fn, mlp_module, x, params, zero3_params) -> GatedPlan | None:
     """The plan for the fast path, or None where only the generic recompute (which calls fn) is exact."""
     declare = getattr(fn, "tiled_fast_path", None)
     if declare is None or zero3_params or _replay.autocast_enabled(x.device.type):

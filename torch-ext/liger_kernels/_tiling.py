@@ -13,7 +13,6 @@
 """
 
 import math
-from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ OP = "apply_tiled_mlp"
 MAX_AUTO_SHARDS = 100
 
 
-def check_num_shards(num_shards) -> Optional[int]:
+def check_num_shards(num_shards) -> int | None:
     if num_shards is None:
         return None
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
@@ -39,7 +38,7 @@ def auto_num_shards(x: torch.Tensor) -> int:
     return max(1, min(math.ceil(seq_len / max(hidden, 1)), MAX_AUTO_SHARDS))
 
 
-def num_shards_for(requested: Optional[int], x: torch.Tensor, gathers_per_shard: bool) -> int:
+def num_shards_for(requested: int | None, x: torch.Tensor, gathers_per_shard: bool) -> int:
     if requested is not None:
         return requested
     count = auto_num_shards(x)
@@ -56,7 +55,7 @@ def harmonize_num_shards(num_shards: int, x: torch.Tensor) -> int:
     return int(count.item())
 
 
-def shard_bounds(seq_len: int, num_shards: int) -> List[tuple]:
+def shard_bounds(seq_len: int, num_shards: int) -> list[tuple]:
     """(start, length) of each shard; sizes differ by at most one, trailing shards may be empty."""
     base, extra = divmod(seq_len, num_shards)
     bounds, start = [], 0
@@ -95,7 +94,7 @@ def _has_backward_hooks(mlp_module) -> bool:
     return any(m._backward_hooks or m._backward_pre_hooks for m in mlp_module.modules() if m is not mlp_module)
 
 
-def untiled_reason(mlp_module, x: torch.Tensor, params) -> Optional[str]:
+def untiled_reason(mlp_module, x: torch.Tensor, params) -> str | None:
     """Why this call must run as the plain ``fn(mlp_module, x)``, or None to tile it.
 
     * torch.func transforms: their wrapped tensors cannot cross the tiled Function's recompute.

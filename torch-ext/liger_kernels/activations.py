@@ -10,7 +10,8 @@ Names are one vocabulary: "silu", "gelu_tanh" (tanh-approximated GELU) and "gelu
 """
 
 import math
-from typing import Callable, NamedTuple, Tuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -25,8 +26,8 @@ class GatedActivation(NamedTuple):
     torch_value: Callable  # (z) -> act(z), z in fp32 or fp64
     torch_value_and_grad: Callable  # (z) -> (act(z), act'(z))
     reference: Callable  # (z float64) -> act(z), independent of the above: what tests compare against
-    host_classes: Tuple[str, ...]  # class names of transformers activation modules computing it
-    config_names: Tuple[str, ...]  # hidden_act / hidden_activation strings naming it
+    host_classes: tuple[str, ...]  # class names of transformers activation modules computing it
+    config_names: tuple[str, ...]  # hidden_act / hidden_activation strings naming it
 
 
 REGISTRY = {}
@@ -64,10 +65,17 @@ def _silu_and_grad_torch(z):
 
 SILU = register(
     GatedActivation(
-        "silu", "SiLU", _silu, _silu_and_grad, _silu_torch, _silu_and_grad_torch, torch.nn.functional.silu,
-        host_classes=("SiLU", "SiLUActivation"), config_names=("silu", "swish"),
+        "silu",
+        "SiLU",
+        _silu,
+        _silu_and_grad,
+        _silu_torch,
+        _silu_and_grad_torch,
+        torch.nn.functional.silu,
+        host_classes=("SiLU", "SiLUActivation"),
+        config_names=("silu", "swish"),
     )
-)  # fmt: skip
+)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -108,12 +116,23 @@ def _gelu_tanh_and_grad_torch(z):
 
 GELU_TANH = register(
     GatedActivation(
-        "gelu_tanh", "tanh-approximated GELU", _gelu_tanh, _gelu_tanh_and_grad, _gelu_tanh_torch,
-        _gelu_tanh_and_grad_torch, lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
-        host_classes=("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation", "AccurateGELUActivation"),
+        "gelu_tanh",
+        "tanh-approximated GELU",
+        _gelu_tanh,
+        _gelu_tanh_and_grad,
+        _gelu_tanh_torch,
+        _gelu_tanh_and_grad_torch,
+        lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
+        host_classes=(
+            "GELUTanh",
+            "PytorchGELUTanh",
+            "NewGELUActivation",
+            "FastGELUActivation",
+            "AccurateGELUActivation",
+        ),
         config_names=("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast", "gelu_accurate"),
     )
-)  # fmt: skip
+)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -130,8 +149,13 @@ INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _R2 = constexpr(INV_SQRT_2)
 _R2PI = constexpr(INV_SQRT_2PI)
 _P = constexpr(0.4)
-_T0, _T1, _T2, _T3 = constexpr(0.2256758641716087), constexpr(0.2256695868425358), constexpr(0.20784146524705283), constexpr(0.16855848372788834)  # fmt: skip
-_T4, _T5, _T6 = constexpr(0.14134778591829064), constexpr(-0.005396922021842962), constexpr(0.16880437951721464)  # fmt: skip
+_T0, _T1, _T2, _T3 = (
+    constexpr(0.2256758641716087),
+    constexpr(0.2256695868425358),
+    constexpr(0.20784146524705283),
+    constexpr(0.16855848372788834),
+)
+_T4, _T5, _T6 = constexpr(0.14134778591829064), constexpr(-0.005396922021842962), constexpr(0.16880437951721464)
 _T7, _T8 = constexpr(-0.1827112770669006), constexpr(0.05021075399384668)
 _LOG2E = constexpr(math.log2(math.e))
 
@@ -171,7 +195,14 @@ def _gelu_and_grad_torch(z):
 
 GELU = register(
     GatedActivation(
-        "gelu", "exact GELU", _gelu, _gelu_and_grad, _gelu_torch, _gelu_and_grad_torch, torch.nn.functional.gelu,
-        host_classes=("GELUActivation",), config_names=("gelu", "gelu_python"),
+        "gelu",
+        "exact GELU",
+        _gelu,
+        _gelu_and_grad,
+        _gelu_torch,
+        _gelu_and_grad_torch,
+        torch.nn.functional.gelu,
+        host_classes=("GELUActivation",),
+        config_names=("gelu", "gelu_python"),
     )
-)  # fmt: skip
+)

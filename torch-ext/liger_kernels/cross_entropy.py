@@ -97,8 +97,9 @@ def check_options(op: str, ignore_index, lse_square_scale, label_smoothing, redu
         softcap = float(softcap)
     if not isinstance(use_token_scaling, bool):
         raise TypeError(f"{op}: `use_token_scaling` must be a bool, got {type(use_token_scaling).__name__}")
-    return Options(int(ignore_index), float(lse_square_scale), float(label_smoothing), reduction, softcap,
-                   use_token_scaling)  # fmt: skip
+    return Options(
+        int(ignore_index), float(lse_square_scale), float(label_smoothing), reduction, softcap, use_token_scaling
+    )
 
 
 def check_class_weight(ce_weight, n_classes: int, device, op: str):
@@ -141,12 +142,28 @@ def _capped(x, softcap, SOFTCAP: constexpr):
 
 @jit
 def _ce_stats_kernel(
-    logits_ptr, logits_row_stride, target_ptr, ce_weight_ptr, weight_total_ptr,
-    lse_ptr, ce_ptr, z_ptr, pred_ptr,
-    n_cols, ignore_index, lse_square_scale, label_smoothing, softcap,
-    HAS_CE_WEIGHT: constexpr, SOFTCAP: constexpr, SMOOTHING: constexpr, TOKEN_SCALING: constexpr,
-    STORE_PRED: constexpr, BLOCK: constexpr, N_BLOCKS: constexpr,
-):  # fmt: skip
+    logits_ptr,
+    logits_row_stride,
+    target_ptr,
+    ce_weight_ptr,
+    weight_total_ptr,
+    lse_ptr,
+    ce_ptr,
+    z_ptr,
+    pred_ptr,
+    n_cols,
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    softcap,
+    HAS_CE_WEIGHT: constexpr,
+    SOFTCAP: constexpr,
+    SMOOTHING: constexpr,
+    TOKEN_SCALING: constexpr,
+    STORE_PRED: constexpr,
+    BLOCK: constexpr,
+    N_BLOCKS: constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(target_ptr + row).to(tl.int64)
     if y == ignore_index:
@@ -212,12 +229,31 @@ def _ce_stats_kernel(
 
 @jit
 def _ce_grad_kernel(
-    logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, target_ptr, ce_weight_ptr, weight_total_ptr,
-    lse_ptr, ce_scale_ptr, ce_scale_stride, z_scale_ptr, z_scale_stride,
-    n_cols, ignore_index, lse_square_scale, label_smoothing, softcap,
-    HAS_CE_WEIGHT: constexpr, SOFTCAP: constexpr, SMOOTHING: constexpr, Z_LOSS: constexpr,
-    TOKEN_SCALING: constexpr, BLOCK: constexpr, N_BLOCKS: constexpr,
-):  # fmt: skip
+    logits_ptr,
+    logits_row_stride,
+    grad_ptr,
+    grad_row_stride,
+    target_ptr,
+    ce_weight_ptr,
+    weight_total_ptr,
+    lse_ptr,
+    ce_scale_ptr,
+    ce_scale_stride,
+    z_scale_ptr,
+    z_scale_stride,
+    n_cols,
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    softcap,
+    HAS_CE_WEIGHT: constexpr,
+    SOFTCAP: constexpr,
+    SMOOTHING: constexpr,
+    Z_LOSS: constexpr,
+    TOKEN_SCALING: constexpr,
+    BLOCK: constexpr,
+    N_BLOCKS: constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(target_ptr + row).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
@@ -287,14 +323,28 @@ def _stats_triton(logits, target, ce_weight, weight_total, opts: Options, lse, c
         return
     dummy = lse  # stands in for absent pointers: never dereferenced when the flag is off
     _ce_stats_kernel[(n_rows,)](
-        logits, logits.stride(0), target, ce_weight if ce_weight is not None else dummy,
+        logits,
+        logits.stride(0),
+        target,
+        ce_weight if ce_weight is not None else dummy,
         weight_total if weight_total is not None else dummy,
-        lse, ce, z, pred if pred is not None else dummy,
-        n_cols, opts.ignore_index, opts.lse_square_scale, opts.label_smoothing, opts.softcap or 1.0,
-        HAS_CE_WEIGHT=ce_weight is not None, SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0,
-        TOKEN_SCALING=opts.use_token_scaling, STORE_PRED=pred is not None, **_blocks(n_cols),
+        lse,
+        ce,
+        z,
+        pred if pred is not None else dummy,
+        n_cols,
+        opts.ignore_index,
+        opts.lse_square_scale,
+        opts.label_smoothing,
+        opts.softcap or 1.0,
+        HAS_CE_WEIGHT=ce_weight is not None,
+        SOFTCAP=opts.softcap is not None,
+        SMOOTHING=opts.label_smoothing > 0,
+        TOKEN_SCALING=opts.use_token_scaling,
+        STORE_PRED=pred is not None,
+        **_blocks(n_cols),
         num_warps=NUM_WARPS,
-    )  # fmt: skip
+    )
 
 
 def _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z_scale, opts: Options):
@@ -303,14 +353,31 @@ def _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z
         return
     dummy = lse
     _ce_grad_kernel[(n_rows,)](
-        logits, logits.stride(0), grad, grad.stride(0), target, ce_weight if ce_weight is not None else dummy,
+        logits,
+        logits.stride(0),
+        grad,
+        grad.stride(0),
+        target,
+        ce_weight if ce_weight is not None else dummy,
         weight_total if weight_total is not None else dummy,
-        lse, ce_scale, _row_stride(ce_scale), z_scale, _row_stride(z_scale),
-        n_cols, opts.ignore_index, opts.lse_square_scale, opts.label_smoothing, opts.softcap or 1.0,
-        HAS_CE_WEIGHT=ce_weight is not None, SOFTCAP=opts.softcap is not None, SMOOTHING=opts.label_smoothing > 0,
-        Z_LOSS=opts.lse_square_scale != 0.0, TOKEN_SCALING=opts.use_token_scaling, **_blocks(n_cols),
+        lse,
+        ce_scale,
+        _row_stride(ce_scale),
+        z_scale,
+        _row_stride(z_scale),
+        n_cols,
+        opts.ignore_index,
+        opts.lse_square_scale,
+        opts.label_smoothing,
+        opts.softcap or 1.0,
+        HAS_CE_WEIGHT=ce_weight is not None,
+        SOFTCAP=opts.softcap is not None,
+        SMOOTHING=opts.label_smoothing > 0,
+        Z_LOSS=opts.lse_square_scale != 0.0,
+        TOKEN_SCALING=opts.use_token_scaling,
+        **_blocks(n_cols),
         num_warps=NUM_WARPS,
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -411,8 +478,9 @@ def grad_torch(logits, target, ce_weight, lse, ce_scale, z_scale, opts: Options,
     kept, in_range, y = _row_targets(target, n_cols, opts.ignore_index)
     s_y = s.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     w = ce_weight.to(x.dtype) if ce_weight is not None else None
-    coef_p, smooth, target_term = _grad_coefficients(s_y, lse.to(x.dtype), y, kept, in_range, w, n_cols, ce_scale,
-                                                     z_scale, opts)  # fmt: skip
+    coef_p, smooth, target_term = _grad_coefficients(
+        s_y, lse.to(x.dtype), y, kept, in_range, w, n_cols, ce_scale, z_scale, opts
+    )
     g = out if out is not None and out.dtype == x.dtype else None
     g = torch.sub(s, lse.to(x.dtype).unsqueeze(-1), out=g).exp_().mul_(coef_p.unsqueeze(-1))
     return _finish_grad(g, y, t, w, smooth, target_term, opts)
@@ -589,18 +657,35 @@ NAMESPACE = __name__.split(".")[0]
 
 @torch.library.custom_op(f"{NAMESPACE}::ce_rows", mutates_args=())
 def _rows_op(
-    logits: torch.Tensor, target: torch.Tensor, ce_weight: torch.Tensor | None, ignore_index: int,
-    lse_square_scale: float, label_smoothing: float, reduction: str, softcap: float | None,
-    use_token_scaling: bool, want_pred: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ce_weight: torch.Tensor | None,
+    ignore_index: int,
+    lse_square_scale: float,
+    label_smoothing: float,
+    reduction: str,
+    softcap: float | None,
+    use_token_scaling: bool,
+    want_pred: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = Options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling)
     lse, ce, z, pred = _rows_forward(logits, target, ce_weight, opts, want_pred)
     return ce, z, pred if pred is not None else target.new_empty((0,), dtype=torch.int64), lse
 
 
 @_rows_op.register_fake
-def _(logits, target, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-      use_token_scaling, want_pred):  # fmt: skip
+def _(
+    logits,
+    target,
+    ce_weight,
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    reduction,
+    softcap,
+    use_token_scaling,
+    want_pred,
+):
     rows, dtype = logits.shape[0], compute_dtype(logits.dtype)
     ce, z, lse = (logits.new_empty((rows,), dtype=dtype) for _ in range(3))
     return ce, z, logits.new_empty((rows if want_pred else 0,), dtype=torch.int64), lse
@@ -608,10 +693,19 @@ def _(logits, target, ce_weight, ignore_index, lse_square_scale, label_smoothing
 
 @torch.library.custom_op(f"{NAMESPACE}::ce_rows_backward", mutates_args=())
 def _rows_backward_op(
-    d_ce: torch.Tensor, d_z: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
-    ce_weight: torch.Tensor | None, lse: torch.Tensor, ignore_index: int, lse_square_scale: float,
-    label_smoothing: float, reduction: str, softcap: float | None, use_token_scaling: bool,
-) -> torch.Tensor:  # fmt: skip
+    d_ce: torch.Tensor,
+    d_z: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ce_weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    ignore_index: int,
+    lse_square_scale: float,
+    label_smoothing: float,
+    reduction: str,
+    softcap: float | None,
+    use_token_scaling: bool,
+) -> torch.Tensor:
     opts = Options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling)
     return _rows_backward(d_ce, d_z, logits, target, ce_weight, lse, opts)
 
@@ -655,10 +749,19 @@ def is_functorch(*tensors) -> bool:
 
 
 def cross_entropy(
-    logits, target, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
-    reduction="mean", softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False,
+    logits,
+    target,
+    ce_weight=None,
+    ignore_index=-100,
+    lse_square_scale=0.0,
+    label_smoothing=0.0,
+    reduction="mean",
+    softcap=None,
+    return_z_loss=False,
+    return_token_accuracy=False,
+    return_predicted_tokens=False,
     use_token_scaling=False,
-):  # fmt: skip
+):
     """``F.cross_entropy(softcap(logits).float(), target, weight=ce_weight, ...)`` for ``logits`` of shape
     ``(*, V)`` and ``target`` of shape ``(*)``, with the z-loss, token scaling, token accuracy and predicted
     tokens of :func:`~liger_kernels.liger_fused_linear_cross_entropy` and its return convention (the loss, or a
@@ -673,8 +776,14 @@ def cross_entropy(
     if target.device != logits.device:
         raise ValueError(f"{OP}: `target` must be on {logits.device}, got {target.device}")
     ce_weight = check_class_weight(ce_weight, n_classes, logits.device, OP)
-    flags = [check_flag(v, a, OP) for a, v in (("return_z_loss", return_z_loss),
-             ("return_token_accuracy", return_token_accuracy), ("return_predicted_tokens", return_predicted_tokens))]  # fmt: skip
+    flags = [
+        check_flag(v, a, OP)
+        for a, v in (
+            ("return_z_loss", return_z_loss),
+            ("return_token_accuracy", return_token_accuracy),
+            ("return_predicted_tokens", return_predicted_tokens),
+        )
+    ]
     rows = logits.reshape(-1, n_classes)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

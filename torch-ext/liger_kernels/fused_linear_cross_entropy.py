@@ -55,9 +55,24 @@ def chunk_rows(n_rows: int, hidden: int, vocab: int, dtype: torch.dtype, triton:
 # Validation: every check runs before any launch.
 
 
-def _validate(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
-              softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, return_predicted_tokens,
-              op=OP):  # fmt: skip
+def _validate(
+    input,
+    weight,
+    target,
+    bias,
+    ce_weight,
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    reduction,
+    softcap,
+    return_z_loss,
+    accum_dtype,
+    use_token_scaling,
+    return_token_accuracy,
+    return_predicted_tokens,
+    op=OP,
+):
     _ce.check_tensor(input, "input", op)
     _ce.check_tensor(weight, "weight", op)
     if input.dim() == 0:
@@ -67,7 +82,9 @@ def _validate(input, weight, target, bias, ce_weight, ignore_index, lse_square_s
             f"{op}: `weight` must have shape (V, H) = (V, {input.shape[-1]}) with V >= 1, got {tuple(weight.shape)}"
         )
     if weight.device != input.device:
-        raise ValueError(f"{op}: `input` and `weight` must be on the same device, got {input.device} and {weight.device}")
+        raise ValueError(
+            f"{op}: `input` and `weight` must be on the same device, got {input.device} and {weight.device}"
+        )
     autocast = torch.is_autocast_enabled(input.device.type)
     dtype = torch.get_autocast_dtype(input.device.type) if autocast else input.dtype
     if not autocast and weight.dtype != input.dtype:
@@ -81,16 +98,21 @@ def _validate(input, weight, target, bias, ce_weight, ignore_index, lse_square_s
             raise ValueError(f"{op}: `bias` must be on {input.device}, got {bias.device}")
         if not autocast and bias.dtype != input.dtype:
             raise TypeError(f"{op}: `bias` must have the dtype of `input` ({input.dtype}), got {bias.dtype}")
-    opts = _ce.check_options(op, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-                             use_token_scaling)  # fmt: skip
+    opts = _ce.check_options(op, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling)
     _ce.check_target(target, input.shape[:-1], vocab, opts.ignore_index, op)
     if target.device != input.device:
         raise ValueError(f"{op}: `target` must be on {input.device}, got {target.device}")
     ce_weight = _ce.check_class_weight(ce_weight, vocab, input.device, op)
     if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
         raise TypeError(f"{op}: `accum_dtype` must be None or a floating torch.dtype, got {accum_dtype!r}")
-    flags = tuple(_ce.check_flag(v, a, op) for a, v in (("return_z_loss", return_z_loss),
-                  ("return_token_accuracy", return_token_accuracy), ("return_predicted_tokens", return_predicted_tokens)))  # fmt: skip
+    flags = tuple(
+        _ce.check_flag(v, a, op)
+        for a, v in (
+            ("return_z_loss", return_z_loss),
+            ("return_token_accuracy", return_token_accuracy),
+            ("return_predicted_tokens", return_predicted_tokens),
+        )
+    )
     if ce_weight is not None and not ce_weight.is_contiguous():
         ce_weight = ce_weight.contiguous()
     return opts, dtype, ce_weight, flags
@@ -102,7 +124,11 @@ def _validate(input, weight, target, bias, ce_weight, ignore_index, lse_square_s
 
 def _no_autocast(device_type: str):
     # The accumulating GEMMs must not be recast to the autocast dtype; inputs are cast explicitly instead.
-    return torch.autocast(device_type, enabled=False) if device_type in ("cuda", "cpu", "xpu", "mps") else contextlib.nullcontext()
+    return (
+        torch.autocast(device_type, enabled=False)
+        if device_type in ("cuda", "cpu", "xpu", "mps")
+        else contextlib.nullcontext()
+    )
 
 
 def _prepare(input, weight, target, bias, dtype):
@@ -157,8 +183,9 @@ def _returned(grad, like):
     return None if grad is None else grad.to(like.dtype).view(like.shape)
 
 
-def forward_core(input, weight, target, bias, ce_weight, opts: Options, dtype, accum_dtype, want_pred,
-                 want_accuracy, needs):  # fmt: skip
+def forward_core(
+    input, weight, target, bias, ce_weight, opts: Options, dtype, accum_dtype, want_pred, want_accuracy, needs
+):
     """(loss, z_loss, token_accuracy, pred, lse, grad_input, grad_weight, grad_bias); the gradients are those of
     the loss (for an incoming gradient of 1) when reduction is "mean" or "sum" and ``needs`` asks, else None."""
     x, w, t, b = _prepare(input, weight, target, bias, dtype)
@@ -180,8 +207,16 @@ def forward_core(input, weight, target, bias, ce_weight, opts: Options, dtype, a
             _ce.row_stats_and_grad(logits, rows_t, ce_weight, weight_total, opts, pred is not None, *scales, out=out)
             _accumulate(logits, x[start:stop], w, None if grad_x is None else grad_x[start:stop], grad_w, grad_b)
     loss, z_loss, accuracy = _ce.reduce_rows(ce, z, pred, t, ce_weight, opts, want_accuracy, target.shape)
-    return (loss, z_loss, accuracy, pred, lse,
-            _returned(grad_x, input), _returned(grad_w, weight), _returned(grad_b, bias))  # fmt: skip
+    return (
+        loss,
+        z_loss,
+        accuracy,
+        pred,
+        lse,
+        _returned(grad_x, input),
+        _returned(grad_w, weight),
+        _returned(grad_b, bias),
+    )
 
 
 def backward_rows_core(d_loss, input, weight, target, bias, ce_weight, lse, opts: Options, dtype, accum_dtype, needs):
@@ -237,8 +272,9 @@ def _backward(ctx, d_loss):
     if opts.reduction == "none":
         input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
         with _no_autocast(input.device.type):
-            return backward_rows_core(d_loss, input, weight, target, bias, ce_weight, lse, opts, dtype, accum_dtype,
-                                      needs)  # fmt: skip
+            return backward_rows_core(
+                d_loss, input, weight, target, bias, ce_weight, lse, opts, dtype, accum_dtype, needs
+            )
     grads = ctx.saved_tensors  # raises if a handed-over buffer was modified since (accumulated into as .grad)
     if not ctx.in_place:  # saved-tensor hooks (offloading, checkpointing) hand back copies: scale out of place
         return tuple(None if g is None else g * d_loss for g in grads)
@@ -263,8 +299,9 @@ def _saved_tensor_hooks_active() -> bool:
 class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy):
-        loss, z_loss, accuracy, pred = _forward(ctx, input, weight, target, bias, ce_weight, opts, dtype,
-                                                accum_dtype, want_pred, want_accuracy)  # fmt: skip
+        loss, z_loss, accuracy, pred = _forward(
+            ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy
+        )
         ctx.mark_non_differentiable(*[t for t in (z_loss, accuracy, pred) if t is not None])
         return loss, z_loss, accuracy, pred
 
@@ -283,18 +320,50 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
     torch.compile path."""
 
     @staticmethod
-    def forward(ctx, _input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
-                label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None,
-                use_token_scaling=False, return_token_accuracy=False, return_predicted_tokens=False):  # fmt: skip
+    def forward(
+        ctx,
+        _input,
+        weight,
+        target,
+        bias=None,
+        ce_weight=None,
+        ignore_index=-100,
+        lse_square_scale=0.0,
+        label_smoothing=0.0,
+        reduction="mean",
+        softcap=None,
+        return_z_loss=False,
+        accum_dtype=None,
+        use_token_scaling=False,
+        return_token_accuracy=False,
+        return_predicted_tokens=False,
+    ):
         opts, dtype, ce_weight, flags = _validate(
-            _input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
-            softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, return_predicted_tokens,
+            _input,
+            weight,
+            target,
+            bias,
+            ce_weight,
+            ignore_index,
+            lse_square_scale,
+            label_smoothing,
+            reduction,
+            softcap,
+            return_z_loss,
+            accum_dtype,
+            use_token_scaling,
+            return_token_accuracy,
+            return_predicted_tokens,
             op="LigerFusedLinearCrossEntropyFunction",
-        )  # fmt: skip
-        loss, z_loss, accuracy, pred = _forward(ctx, _input, weight, target, bias, ce_weight, opts, dtype,
-                                                accum_dtype, flags[2], flags[1])  # fmt: skip
-        extras = (z_loss if flags[0] else None, accuracy if flags[1] else None,
-                  pred.view(target.shape) if flags[2] else None)  # fmt: skip
+        )
+        loss, z_loss, accuracy, pred = _forward(
+            ctx, _input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, flags[2], flags[1]
+        )
+        extras = (
+            z_loss if flags[0] else None,
+            accuracy if flags[1] else None,
+            pred.view(target.shape) if flags[2] else None,
+        )
         ctx.mark_non_differentiable(*[t for t in extras if t is not None])
         return (loss, *extras)
 
@@ -307,29 +376,74 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
 # torch.compile: the forward (with the gradients for "mean"/"sum") and the "none" backward as torch.library
 # ops; absent results are empty tensors there. The namespace is the package's module name, unique per build.
 NAMESPACE = __name__.split(".")[0]
-_Tensors8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                  torch.Tensor]  # fmt: skip
+_Tensors8 = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]
 
 
 @torch.library.custom_op(f"{NAMESPACE}::flce_forward", mutates_args=())
 def _forward_op(
-    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-    ce_weight: torch.Tensor | None, ignore_index: int, lse_square_scale: float, label_smoothing: float,
-    reduction: str, softcap: float | None, use_token_scaling: bool, dtype: torch.dtype,
-    accum_dtype: torch.dtype | None, want_pred: bool, want_accuracy: bool, needs_input: bool, needs_weight: bool,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ce_weight: torch.Tensor | None,
+    ignore_index: int,
+    lse_square_scale: float,
+    label_smoothing: float,
+    reduction: str,
+    softcap: float | None,
+    use_token_scaling: bool,
+    dtype: torch.dtype,
+    accum_dtype: torch.dtype | None,
+    want_pred: bool,
+    want_accuracy: bool,
+    needs_input: bool,
+    needs_weight: bool,
     needs_bias: bool,
-) -> _Tensors8:  # fmt: skip
+) -> _Tensors8:
     opts = Options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling)
     with _no_autocast(input.device.type):
-        results = forward_core(input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred,
-                               want_accuracy, (needs_input, needs_weight, needs_bias))  # fmt: skip
+        results = forward_core(
+            input,
+            weight,
+            target,
+            bias,
+            ce_weight,
+            opts,
+            dtype,
+            accum_dtype,
+            want_pred,
+            want_accuracy,
+            (needs_input, needs_weight, needs_bias),
+        )
     empties = (torch.float32, torch.int64, None, input.dtype, weight.dtype, bias.dtype if bias is not None else None)
-    return tuple(r if r is not None else input.new_empty((0,), dtype=e) for r, e in zip(results, (None, None) + empties))
+    return tuple(
+        r if r is not None else input.new_empty((0,), dtype=e) for r, e in zip(results, (None, None) + empties)
+    )
 
 
 @_forward_op.register_fake
-def _(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-      use_token_scaling, dtype, accum_dtype, want_pred, want_accuracy, needs_input, needs_weight, needs_bias):  # fmt: skip
+def _(
+    input,
+    weight,
+    target,
+    bias,
+    ce_weight,
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    reduction,
+    softcap,
+    use_token_scaling,
+    dtype,
+    accum_dtype,
+    want_pred,
+    want_accuracy,
+    needs_input,
+    needs_weight,
+    needs_bias,
+):
     loss_dtype, n_rows = _ce.compute_dtype(dtype), target.numel()
     loss_shape = tuple(target.shape) if reduction == "none" else ()
     grads_now = reduction != "none"
@@ -351,16 +465,40 @@ def _(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, la
 
 @torch.library.custom_op(f"{NAMESPACE}::flce_backward_rows", mutates_args=())
 def _backward_rows_op(
-    d_loss: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-    bias: torch.Tensor | None, ce_weight: torch.Tensor | None, lse: torch.Tensor, ignore_index: int,
-    lse_square_scale: float, label_smoothing: float, reduction: str, softcap: float | None,
-    use_token_scaling: bool, dtype: torch.dtype, accum_dtype: torch.dtype | None, needs_input: bool,
-    needs_weight: bool, needs_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    d_loss: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ce_weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    ignore_index: int,
+    lse_square_scale: float,
+    label_smoothing: float,
+    reduction: str,
+    softcap: float | None,
+    use_token_scaling: bool,
+    dtype: torch.dtype,
+    accum_dtype: torch.dtype | None,
+    needs_input: bool,
+    needs_weight: bool,
+    needs_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = Options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling)
     with _no_autocast(input.device.type):
-        grads = backward_rows_core(d_loss, input, weight, target, bias, ce_weight, lse, opts, dtype, accum_dtype,
-                                   (needs_input, needs_weight, needs_bias))  # fmt: skip
+        grads = backward_rows_core(
+            d_loss,
+            input,
+            weight,
+            target,
+            bias,
+            ce_weight,
+            lse,
+            opts,
+            dtype,
+            accum_dtype,
+            (needs_input, needs_weight, needs_bias),
+        )
     return tuple(g if g is not None else input.new_empty((0,)) for g in grads)
 
 
@@ -404,27 +542,55 @@ def _apply(input, weight, target, bias, ce_weight, opts: Options, dtype, accum_d
         return composite(input, weight, target, bias, ce_weight, opts, want_pred, want_accuracy)
     if torch.compiler.is_compiling():
         grad_on = torch.is_grad_enabled()
-        needs = (grad_on and input.requires_grad, grad_on and weight.requires_grad,
-                 grad_on and bias is not None and bias.requires_grad)  # fmt: skip
-        loss, z_loss, accuracy, pred, *_ = _forward_op(input, weight, target, bias, ce_weight, *opts, dtype,
-                                                       accum_dtype, want_pred, want_accuracy, *needs)  # fmt: skip
+        needs = (
+            grad_on and input.requires_grad,
+            grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad,
+        )
+        loss, z_loss, accuracy, pred, *_ = _forward_op(
+            input, weight, target, bias, ce_weight, *opts, dtype, accum_dtype, want_pred, want_accuracy, *needs
+        )
         return loss, z_loss.detach(), accuracy.detach(), pred
     if _ce.is_functorch(input, weight, bias):
         return composite(input, weight, target, bias, ce_weight, opts, want_pred, want_accuracy)
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (input, weight, bias)):
         with _no_autocast(input.device.type):  # no gradient wanted: the loss alone, no autograd node
-            results = forward_core(input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred,
-                                   want_accuracy, (False, False, False))  # fmt: skip
+            results = forward_core(
+                input,
+                weight,
+                target,
+                bias,
+                ce_weight,
+                opts,
+                dtype,
+                accum_dtype,
+                want_pred,
+                want_accuracy,
+                (False, False, False),
+            )
         return results[:4]
-    return _EagerFunction.apply(input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred,
-                                want_accuracy)  # fmt: skip
+    return _EagerFunction.apply(
+        input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy
+    )
 
 
 def liger_fused_linear_cross_entropy(
-    input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
-    reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False,
-    return_token_accuracy=False, return_predicted_tokens=False,
-):  # fmt: skip
+    input,
+    weight,
+    target,
+    bias=None,
+    ce_weight=None,
+    ignore_index=-100,
+    lse_square_scale=0.0,
+    label_smoothing=0.0,
+    reduction="mean",
+    softcap=None,
+    return_z_loss=False,
+    accum_dtype=None,
+    use_token_scaling=False,
+    return_token_accuracy=False,
+    return_predicted_tokens=False,
+):
     """``F.cross_entropy(softcap(input @ weight.T + bias).float(), target, weight=ce_weight, ignore_index=...,
     label_smoothing=..., reduction=...)`` plus the z-loss ``lse_square_scale * logsumexp^2`` (averaged over the
     non-ignored rows for "mean", unweighted), without materializing the logits.
@@ -440,9 +606,23 @@ def liger_fused_linear_cross_entropy(
     for "none") and ``predicted_tokens`` (the argmax, -1 for ignored rows). Only ``loss`` is differentiable.
     """
     opts, dtype, ce_weight, flags = _validate(
-        input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-        return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, return_predicted_tokens,
-    )  # fmt: skip
-    loss, z_loss, accuracy, pred = _apply(input, weight, target, bias, ce_weight, opts, dtype, accum_dtype,
-                                          flags[2], flags[1])  # fmt: skip
+        input,
+        weight,
+        target,
+        bias,
+        ce_weight,
+        ignore_index,
+        lse_square_scale,
+        label_smoothing,
+        reduction,
+        softcap,
+        return_z_loss,
+        accum_dtype,
+        use_token_scaling,
+        return_token_accuracy,
+        return_predicted_tokens,
+    )
+    loss, z_loss, accuracy, pred = _apply(
+        input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, flags[2], flags[1]
+    )
     return _ce.package(loss, z_loss, accuracy, pred, flags, target.shape)

@@ -8,8 +8,6 @@ recompute only gate and up in backward; where it returns None, the tiled MLP cal
 Keep the two together: a change to the math here must be matched by the fast path it declares.
 """
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -24,7 +22,7 @@ class GatedMLP:
     default: the activation for a host that does not say which it uses (None: refuse such a host).
     """
 
-    def __init__(self, layer: str, activations, default: Optional[str]):
+    def __init__(self, layer: str, activations, default: str | None):
         self.layer = layer
         self.activations = tuple(activations)
         self.default = default
@@ -58,7 +56,7 @@ class GatedMLP:
             in_place = _hosts.is_plain_linear(module.gate_proj) and _hosts.is_plain_linear(module.up_proj)
         return module.down_proj(_gated.gated_apply(gate, up, activation, 1.0, 1.0, in_place))
 
-    def tiled_fast_path(self, module: nn.Module) -> Optional[GatedActivation]:
+    def tiled_fast_path(self, module: nn.Module) -> GatedActivation | None:
         """The activation, when the tiled MLP may compute this math from the projections' weights directly:
         separate projections, each a plain nn.Linear (see ``_hosts.is_plain_linear``). None otherwise."""
         activation, form = self.check(module)

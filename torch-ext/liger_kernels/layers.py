@@ -1,4 +1,4 @@
-"""Layers for ``kernels.kernelize``: the fused MLPs, their tiled forms, and a tiled Linear.
+"""Layers for ``kernels.kernelize``: the fused MLPs, their tiled forms, a tiled Linear, and RMSNorm.
 
 ``kernelize`` binds a layer's ``forward`` to the host module (a ``LlamaMLP``, a ``GemmaMLP``, ...), so
 ``self`` is the host: the layers read its projections and hold no state of their own. ``kernels`` rejects a
@@ -12,7 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import loss as _loss
+from . import rms_norm as _rms_norm
+from ._hosts import declare_rms_norm_host, rms_norm_host  # noqa: F401  (declare: public, here as published)
+from .cross_entropy import CrossEntropyOutput  # noqa: F401  (here too, as in the published package)
+from .fused_linear_cross_entropy import liger_fused_linear_cross_entropy  # noqa: F401  (likewise)
 from .gated_mlp import geglu_mlp, swiglu_mlp
+from .loss import LigerForCausalLMLoss  # noqa: F401  (likewise)
 from .rotary import liger_rotary_pos_emb  # also here, as in the published package
 from .tiled_mlp import apply_tiled_mlp
 
@@ -117,7 +122,33 @@ class LigerForCausalLMLossLayer(nn.Module):
     can_torch_compile = True
     has_backward = True
 
-    def forward(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                **kwargs):  # fmt: skip
-        return _loss.LigerForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
-                                          shift_labels, **kwargs)  # fmt: skip
+    def forward(
+        self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+    ):
+        return _loss.LigerForCausalLMLoss(
+            logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# RMSNorm: the host's form is read in _hosts (rms_norm_host); a refused host raises before any launch.
+
+
+def rms_norm_layer(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The host's RMSNorm of ``hidden_states`` with its ``weight`` and epsilon, after checking its form."""
+    casting, offset, eps_attribute, refusal = rms_norm_host(type(module))
+    if refusal:
+        raise ValueError(refusal)
+    return _rms_norm.rms_norm(hidden_states, module.weight, getattr(module, eps_attribute), offset, casting)
+
+
+class LigerRMSNorm(nn.Module):
+    """RMSNorm for hosts of the ``LlamaRMSNorm`` form (``weight * x_normed.to(x.dtype)``) and of the fp32-product
+    form (``(weight * x_normed).to(x.dtype)``), reading the host's ``weight`` and ``variance_epsilon`` (or
+    ``eps``); other hosts are refused with a ValueError (see :func:`declare_rms_norm_host`)."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm_layer(self, hidden_states)

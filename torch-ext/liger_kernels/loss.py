@@ -24,8 +24,15 @@ from .fused_linear_cross_entropy import liger_fused_linear_cross_entropy
 
 # Options of the fused function that may ride along in ``**kwargs`` (transformers passes the model's other
 # keyword arguments to the loss too; those are ignored).
-_FUSED_OPTIONS = ("ce_weight", "lse_square_scale", "label_smoothing", "accum_dtype", "use_token_scaling",
-                  "return_token_accuracy", "return_predicted_tokens")  # fmt: skip
+_FUSED_OPTIONS = (
+    "ce_weight",
+    "lse_square_scale",
+    "label_smoothing",
+    "accum_dtype",
+    "use_token_scaling",
+    "return_token_accuracy",
+    "return_predicted_tokens",
+)
 _LOGITS_OPTIONS = tuple(name for name in _FUSED_OPTIONS if name != "accum_dtype")
 
 
@@ -59,9 +66,15 @@ def LigerForCausalLMLoss(
         hidden = hidden_states.reshape(-1, hidden_size)
         target = shift_labels.reshape(-1).to(hidden.device)
         result = liger_fused_linear_cross_entropy(
-            hidden, lm_head_weight, target, bias=lm_head_bias, ignore_index=ignore_index, reduction=reduction,
-            softcap=kwargs.get("final_logit_softcapping"), **options,
-        )  # fmt: skip
+            hidden,
+            lm_head_weight,
+            target,
+            bias=lm_head_bias,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            softcap=kwargs.get("final_logit_softcapping"),
+            **options,
+        )
     else:
         if logits is None:
             raise ValueError("LigerForCausalLMLoss: pass `logits`, or `hidden_states` and `lm_head_weight`")
@@ -137,10 +150,18 @@ def causal_lm_loss(
         hidden = hidden * scale
         bias = bias * scale if bias is not None else None
     loss = LigerForCausalLMLoss(
-        None, labels, weight.shape[0], num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
-        shift_labels=shift_labels, hidden_states=hidden, lm_head_weight=weight, lm_head_bias=bias,
-        hidden_size=hidden.shape[-1], final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
-    )  # fmt: skip
+        None,
+        labels,
+        weight.shape[0],
+        num_items_in_batch=num_items_in_batch,
+        ignore_index=ignore_index,
+        shift_labels=shift_labels,
+        hidden_states=hidden,
+        lm_head_weight=weight,
+        lm_head_bias=bias,
+        hidden_size=hidden.shape[-1],
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+    )
     return (loss, outputs) if return_outputs else loss
 
 
@@ -152,7 +173,16 @@ class CausalLMWithFusedLoss(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids=None, labels=None, attention_mask=None, num_items_in_batch=None, shift_labels=None,
-                return_outputs: bool = False, **kwargs):  # fmt: skip
-        return causal_lm_loss(self.model, input_ids, labels, attention_mask, num_items_in_batch, shift_labels,
-                              return_outputs, **kwargs)  # fmt: skip
+    def forward(
+        self,
+        input_ids=None,
+        labels=None,
+        attention_mask=None,
+        num_items_in_batch=None,
+        shift_labels=None,
+        return_outputs: bool = False,
+        **kwargs,
+    ):
+        return causal_lm_loss(
+            self.model, input_ids, labels, attention_mask, num_items_in_batch, shift_labels, return_outputs, **kwargs
+        )

@@ -61,28 +61,38 @@ def _check(q, k, cos, sin, unsqueeze_dim):
     if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
         raise TypeError(f"{OP}: `unsqueeze_dim` must be an int, got {type(unsqueeze_dim).__name__}")
     if q.dim() == 0 or q.dim() != k.dim():
-        raise ValueError(f"{OP}: `q` and `k` must have the same number (>= 1) of dimensions, got shapes "
-                         f"{tuple(q.shape)} and {tuple(k.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{OP}: `q` and `k` must have the same number (>= 1) of dimensions, got shapes "
+            f"{tuple(q.shape)} and {tuple(k.shape)}"
+        )
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"{OP}: `q` and `k` must have the same head dim (last dim), got {head_dim} and {k.shape[-1]}")
     if head_dim % 2:
         raise ValueError(f"{OP}: the head dim (last dim of `q` and `k`) must be even, got {head_dim}")
     if cos.shape != sin.shape:
-        raise ValueError(f"{OP}: `cos` and `sin` must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        raise ValueError(
+            f"{OP}: `cos` and `sin` must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     if not -cos.dim() - 1 <= unsqueeze_dim <= cos.dim():
-        raise ValueError(f"{OP}: `unsqueeze_dim` must be in [{-cos.dim() - 1}, {cos.dim()}] for `cos` of shape "
-                         f"{tuple(cos.shape)}, got {unsqueeze_dim}")  # fmt: skip
+        raise ValueError(
+            f"{OP}: `unsqueeze_dim` must be in [{-cos.dim() - 1}, {cos.dim()}] for `cos` of shape "
+            f"{tuple(cos.shape)}, got {unsqueeze_dim}"
+        )
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     if cos.shape[-1] not in (head_dim, head_dim // 2):
-        raise ValueError(f"{OP}: `cos`/`sin` unsqueezed at {unsqueeze_dim} have shape {tuple(cos.shape)}: the last dim "
-                         f"must be the head dim {head_dim} or half of it")  # fmt: skip
+        raise ValueError(
+            f"{OP}: `cos`/`sin` unsqueezed at {unsqueeze_dim} have shape {tuple(cos.shape)}: the last dim "
+            f"must be the head dim {head_dim} or half of it"
+        )
     fits = cos.dim() <= q.dim() and all(
         c == 1 or c == q.shape[i] == k.shape[i] for i, c in zip(range(-2, -cos.dim() - 1, -1), cos.shape[-2::-1])
     )
     if not fits:
-        raise ValueError(f"{OP}: `cos`/`sin` unsqueezed at {unsqueeze_dim} have shape {tuple(cos.shape)}, which does "
-                         f"not broadcast to `q` {tuple(q.shape)} and `k` {tuple(k.shape)} without growing them")  # fmt: skip
+        raise ValueError(
+            f"{OP}: `cos`/`sin` unsqueezed at {unsqueeze_dim} have shape {tuple(cos.shape)}, which does "
+            f"not broadcast to `q` {tuple(q.shape)} and `k` {tuple(k.shape)} without growing them"
+        )
     return cos, sin
 
 
@@ -111,10 +121,25 @@ def _dense_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @jit
 def _rotate_heads(
-    x_ptr, out_ptr, n_heads, inner_heads, x_outer_stride, x_inner_stride, out_outer_stride, out_inner_stride,
-    cos1, cos2, sin1, sin2, cols, col_mask,
-    HALF: constexpr, TWO_HEAD_DIMS: constexpr, BLOCK_H: constexpr, N_BLOCKS: constexpr,
-):  # fmt: skip
+    x_ptr,
+    out_ptr,
+    n_heads,
+    inner_heads,
+    x_outer_stride,
+    x_inner_stride,
+    out_outer_stride,
+    out_inner_stride,
+    cos1,
+    cos2,
+    sin1,
+    sin2,
+    cols,
+    col_mask,
+    HALF: constexpr,
+    TWO_HEAD_DIMS: constexpr,
+    BLOCK_H: constexpr,
+    N_BLOCKS: constexpr,
+):
     for block in range(N_BLOCKS):  # a compile-time count: Triton's interpreter cannot loop to a runtime bound
         heads = block * BLOCK_H + tl.arange(0, BLOCK_H).to(tl.int64)
         if TWO_HEAD_DIMS:
@@ -137,16 +162,48 @@ def _rotate_heads(
 
 @jit
 def _rotary_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
     inner_tokens,
-    q_tok_outer, q_tok_inner, k_tok_outer, k_tok_inner, q_out_tok_outer, q_out_tok_inner,
-    k_out_tok_outer, k_out_tok_inner, cos_tok_outer, cos_tok_inner, sin_tok_outer, sin_tok_inner,
-    q_heads, q_inner_heads, q_head_outer, q_head_inner, q_out_head_outer, q_out_head_inner,
-    k_heads, k_inner_heads, k_head_outer, k_head_inner, k_out_head_outer, k_out_head_inner,
-    HALF: constexpr, BLOCK_D: constexpr, HALF_WIDTH_COS: constexpr, BACKWARD: constexpr,
-    Q_TWO_HEAD_DIMS: constexpr, K_TWO_HEAD_DIMS: constexpr, BLOCK_HQ: constexpr, BLOCK_HK: constexpr,
-    Q_BLOCKS: constexpr, K_BLOCKS: constexpr,
-):  # fmt: skip
+    q_tok_outer,
+    q_tok_inner,
+    k_tok_outer,
+    k_tok_inner,
+    q_out_tok_outer,
+    q_out_tok_inner,
+    k_out_tok_outer,
+    k_out_tok_inner,
+    cos_tok_outer,
+    cos_tok_inner,
+    sin_tok_outer,
+    sin_tok_inner,
+    q_heads,
+    q_inner_heads,
+    q_head_outer,
+    q_head_inner,
+    q_out_head_outer,
+    q_out_head_inner,
+    k_heads,
+    k_inner_heads,
+    k_head_outer,
+    k_head_inner,
+    k_out_head_outer,
+    k_out_head_inner,
+    HALF: constexpr,
+    BLOCK_D: constexpr,
+    HALF_WIDTH_COS: constexpr,
+    BACKWARD: constexpr,
+    Q_TWO_HEAD_DIMS: constexpr,
+    K_TWO_HEAD_DIMS: constexpr,
+    BLOCK_HQ: constexpr,
+    BLOCK_HK: constexpr,
+    Q_BLOCKS: constexpr,
+    K_BLOCKS: constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     outer, inner = token // inner_tokens, token % inner_tokens
     cols = tl.arange(0, BLOCK_D)
@@ -167,15 +224,43 @@ def _rotary_kernel(
     _rotate_heads(
         q_ptr + outer * q_tok_outer + inner * q_tok_inner,
         q_out_ptr + outer * q_out_tok_outer + inner * q_out_tok_inner,
-        q_heads, q_inner_heads, q_head_outer, q_head_inner, q_out_head_outer, q_out_head_inner,
-        cos1, cos2, sin1, sin2, cols, col_mask, HALF, Q_TWO_HEAD_DIMS, BLOCK_HQ, Q_BLOCKS,
-    )  # fmt: skip
+        q_heads,
+        q_inner_heads,
+        q_head_outer,
+        q_head_inner,
+        q_out_head_outer,
+        q_out_head_inner,
+        cos1,
+        cos2,
+        sin1,
+        sin2,
+        cols,
+        col_mask,
+        HALF,
+        Q_TWO_HEAD_DIMS,
+        BLOCK_HQ,
+        Q_BLOCKS,
+    )
     _rotate_heads(
         k_ptr + outer * k_tok_outer + inner * k_tok_inner,
         k_out_ptr + outer * k_out_tok_outer + inner * k_out_tok_inner,
-        k_heads, k_inner_heads, k_head_outer, k_head_inner, k_out_head_outer, k_out_head_inner,
-        cos1, cos2, sin1, sin2, cols, col_mask, HALF, K_TWO_HEAD_DIMS, BLOCK_HK, K_BLOCKS,
-    )  # fmt: skip
+        k_heads,
+        k_inner_heads,
+        k_head_outer,
+        k_head_inner,
+        k_out_head_outer,
+        k_out_head_inner,
+        cos1,
+        cos2,
+        sin1,
+        sin2,
+        cols,
+        col_mask,
+        HALF,
+        K_TWO_HEAD_DIMS,
+        BLOCK_HK,
+        K_BLOCKS,
+    )
 
 
 TILE = 2048  # elements of one half-tile (BLOCK_H x BLOCK_D): 16 per thread with 4 warps
@@ -238,11 +323,23 @@ def _launch_triton(q, k, q_out, k_out, cos, sin, backward: bool) -> bool:
     (outer_tokens, outer_strides), (inner_tokens, inner_strides) = tokens
     token_strides = [s for pair in zip(outer_strides, inner_strides) for s in pair]
     _rotary_kernel[(outer_tokens * inner_tokens,)](
-        *tensors, inner_tokens, *token_strides, *q_args[0], *k_args[0],
-        HALF=half, BLOCK_D=block_d, HALF_WIDTH_COS=cos.shape[-1] == half, BACKWARD=backward,
-        Q_TWO_HEAD_DIMS=q_args[1], K_TWO_HEAD_DIMS=k_args[1], BLOCK_HQ=q_args[2], BLOCK_HK=k_args[2],
-        Q_BLOCKS=q_args[3], K_BLOCKS=k_args[3], num_warps=NUM_WARPS,
-    )  # fmt: skip
+        *tensors,
+        inner_tokens,
+        *token_strides,
+        *q_args[0],
+        *k_args[0],
+        HALF=half,
+        BLOCK_D=block_d,
+        HALF_WIDTH_COS=cos.shape[-1] == half,
+        BACKWARD=backward,
+        Q_TWO_HEAD_DIMS=q_args[1],
+        K_TWO_HEAD_DIMS=k_args[1],
+        BLOCK_HQ=q_args[2],
+        BLOCK_HK=k_args[2],
+        Q_BLOCKS=q_args[3],
+        K_BLOCKS=k_args[3],
+        num_warps=NUM_WARPS,
+    )
     return True
 
 
@@ -370,9 +467,13 @@ def _(q, k, cos, sin):
 
 @torch.library.custom_op(f"{NAMESPACE}::rotary_backward", mutates_args=(), tags=_EXACT_STRIDES)
 def rotary_backward_op(
-    d_q: torch.Tensor, d_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_dtype: torch.dtype,
+    d_q: torch.Tensor,
+    d_k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_dtype: torch.dtype,
     k_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     return rotary_backward(d_q, d_k, cos, sin, q_dtype, k_dtype)
 
 

@@ -18,7 +18,7 @@ accumulates into ``.grad`` through DeepSpeed's own hooks, with ``ds_grad_is_read
 the last, which defers DeepSpeed's reduction to the last shard.
 """
 
-from typing import Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,7 +30,7 @@ OP = _tiling.OP
 
 
 def apply_tiled_mlp(
-    fn: Callable, mlp_module, x: torch.Tensor, num_shards: Optional[int] = None, compute_params=None
+    fn: Callable, mlp_module, x: torch.Tensor, num_shards: int | None = None, compute_params=None
 ) -> torch.Tensor:
     """``fn(mlp_module, x)`` computed shard by shard along the sequence dimension, recomputed in backward.
 
@@ -78,7 +78,7 @@ def is_zero3(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
-def trainable_params(mlp_module, compute_params) -> List[torch.Tensor]:
+def trainable_params(mlp_module, compute_params) -> list[torch.Tensor]:
     """The parameters whose gradients the tiled call must deliver: ``compute_params`` if given, else the
     module's, resolved now (not captured earlier: FSDP2 and ZeRO-3 replace or re-register parameters)."""
     if compute_params is None:
@@ -98,7 +98,7 @@ def trainable_params(mlp_module, compute_params) -> List[torch.Tensor]:
     return params
 
 
-def _leaves_reached(output: torch.Tensor) -> List[torch.Tensor]:
+def _leaves_reached(output: torch.Tensor) -> list[torch.Tensor]:
     """The tensors requiring grad whose AccumulateGrad nodes ``output``'s graph reaches."""
     leaves, seen, stack = [], set(), [output.grad_fn]
     while stack:
@@ -119,9 +119,10 @@ def _check_no_gradient_is_lost(output, delivered: Sequence[torch.Tensor], shard_
         if id(leaf) not in known:
             shape = tuple(leaf.shape)
             raise RuntimeError(
-                f"liger-kernels {OP}: `fn` uses a tensor that requires grad (shape {shape}) which is not among the parameters "
-                "the tiled call delivers gradients to, so its gradient would be lost. Pass compute_params=None to "
-                "use the module's current parameters, or list every trainable tensor fn uses (after any wrapping "
+                f"liger-kernels {OP}: `fn` uses a tensor that requires grad (shape {shape}) which is not among the "
+                "parameters the tiled call delivers gradients to, so its gradient would be lost. Pass "
+                "compute_params=None to use the module's current parameters, or list every trainable tensor fn uses "
+                "(after any wrapping "
                 "such as fully_shard, which replaces the module's parameters). Offloading hooks that swap weights in "
                 "per call (accelerate's cpu_offload) lose such gradients: train with the weights frozen there."
             )

@@ -1,6 +1,6 @@
 """Write the variant tree kernel-builder produces for this Python/Triton package, from build.toml.
 
-    python scripts/build_variants.py [--out build]
+    python tools/build_variants.py [--out build]
 
 gives build/torch-<backend>/ for each backend in build.toml, each holding the package (torch-ext/<name>/)
 and a metadata.json, and build/CARD.md, the Hub card filled in from the CARD.md template. It is the local
@@ -13,15 +13,28 @@ import ast
 import hashlib
 import json
 import shutil
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 # The [general] keys of kernel-builder's build.toml (edition 5); the builder rejects any other key.
 GENERAL_KEYS = {
-    "name", "version", "edition", "license", "upstream", "source", "backends", "cuda", "hub", "kernel-depends",
-    "neuron", "python-depends", "tpu", "xpu",
-}  # fmt: skip
+    "name",
+    "version",
+    "edition",
+    "license",
+    "upstream",
+    "source",
+    "backends",
+    "cuda",
+    "hub",
+    "kernel-depends",
+    "neuron",
+    "python-depends",
+    "tpu",
+    "xpu",
+}
 GIT_URL_SCHEMES = ("https://", "http://", "git://", "ssh://", "git+ssh://", "git+https://", "git+http://")
 
 
@@ -43,7 +56,9 @@ def check_config(config: dict) -> None:
     for key in ("upstream", "source"):
         url = general.get(key)
         if url is not None and not url.startswith(GIT_URL_SCHEMES):
-            raise ValueError(f"build.toml [general]: {key} must be a git URL ({', '.join(GIT_URL_SCHEMES)}), got {url!r}")
+            raise ValueError(
+                f"build.toml [general]: {key} must be a git URL ({', '.join(GIT_URL_SCHEMES)}), got {url!r}"
+            )
 
 
 def module_name(config: dict) -> str:

@@ -1,0 +1,670 @@
+"""Model-level long-context training step: Llama-3-8B-width LlamaForCausalLM, random weights, bf16, gradient
+checkpointing on (non-reentrant), batch 1, forward + backward of the causal-LM loss, for:
+
+- ``vanilla``: stock transformers, ``model(input_ids, labels=input_ids).loss`` (logits materialized, upcast).
+- ``peer``: liger-kernel 0.8.5's ``apply_liger_kernel_to_llama(model=m)`` (FLCE, RMSNorm, SwiGLU, rope).
+- ``peer_tiled``: the same plus the peer's ``LigerTiledSwiGLUMLP`` forward bound on every LlamaMLP (0.8.5 ships
+  the class, but ``apply_liger_kernel_to_llama`` has no option for it); "n/a" without liger-kernel.
+- ``ours``: this package's tiled SwiGLU MLP bound on every LlamaMLP, its RMSNorm on every LlamaRMSNorm (when the
+  package has ``LigerRMSNorm``), its rotary as modeling_llama's ``apply_rotary_pos_emb`` (restored after), and the
+  loss through ``causal_lm_loss`` (decoder, then the fused linear cross-entropy; no logits).
+- ``ours_untiled``: ``ours`` with the fused (untiled) SwiGLU MLP, to show what tiling buys.
+
+Before measuring, a tiny float32 model checks that every variant's loss and weight gradients equal vanilla's
+(asserted in ``--quick``, recorded and flagged otherwise). All variants run on one model (same weights); a
+variant's bindings are undone after each measurement.
+
+Per variant and sequence length S: ``ms`` (median of the timed steps after 1 warm-up: 3 steps, 2 when a step
+is predicted above 4 s, 1 above 15 s), ``extra_gib`` (``max_memory_allocated`` after a reset, minus what was
+allocated before the step: activations, recompute buffers and the weights' gradients, which are set to None
+before each step, so their size, ``grads_gib``, is inside the figure), ``tokens_per_s``, and the loss.
+
+- 4-layer model: S = 16384, 65536, 131072 for every variant ("oom" recorded), then the largest S that fits per
+  variant (one step per try): doubling from the largest fit, then bisecting to a multiple of 4096; the
+  cheapest pending try runs first, and none starts whose predicted time exceeds the budget left.
+- 32-layer model (the full Llama-3-8B): S = 32768, 65536; memory per token from the two points (one point:
+  an upper bound), the largest S it implies on this GPU's total memory, and one step of ``ours`` near it.
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \\
+        python benchmarks/suite/bench_model.py --only 4layer --budget 420 --out model_4layer.json
+    python benchmarks/suite/bench_model.py --device cpu --quick     # CPU smoke test of every code path
+"""
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama import modeling_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
+import liger_kernels as lk
+
+try:
+    from liger_kernel.transformers import apply_liger_kernel_to_llama as peer_apply
+
+    try:
+        from liger_kernel.transformers import LigerTiledSwiGLUMLP as PeerTiledSwiGLUMLP
+    except ImportError:
+        PeerTiledSwiGLUMLP = None
+    PEER_ERROR = None
+except Exception as error:  # noqa: BLE001  (an incompatible peer must not stop the benchmark)
+    peer_apply = PeerTiledSwiGLUMLP = None
+    PEER_ERROR = f"{type(error).__name__}: {error}"
+
+GIB = 2**30
+# The stock classes and functions, captured before any variant patches modeling_llama.
+LLAMA_MLP = modeling_llama.LlamaMLP
+LLAMA_RMS_NORM = modeling_llama.LlamaRMSNorm
+PATCHED_GLOBALS = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+# What a variant may bind on a module instance (the peer also sets plain attributes such as ``offset`` on the
+# norms; the stock forwards never read those).
+INSTANCE_KEYS = ("forward", "_get_name", "extra_repr", "_mlp_forward", "num_shards")
+
+LLAMA3_8B = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "max_position_embeddings": 1 << 20,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attn_implementation": "sdpa",
+}  # fmt: skip
+TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 1000}  # fmt: skip
+
+VARIANTS = ("ours", "ours_untiled", "peer", "peer_tiled", "vanilla")
+
+# Per phase: model, layers, fixed S, search start / step / cap. Quick mode: the tiny model on the CPU, with
+# out-of-memory simulated above a per-variant length so that the search and its recovery run too.
+FULL = {
+    "4layer": {"layers": 4, "lengths": (16384, 65536, 131072), "start": 16384, "step": 4096, "cap": 1 << 20},
+    "32layer": {"layers": 32, "lengths": (32768, 65536), "step": 4096},
+}
+QUICK = {
+    "4layer": {"layers": 2, "lengths": (64, 128, 256), "start": 64, "step": 16, "cap": 512},
+    "32layer": {"layers": 4, "lengths": (128, 256), "step": 16},
+}
+QUICK_OOM_ABOVE = {"vanilla": 200, "peer": 300, "peer_tiled": 400, "ours_untiled": 300}
+
+# Smoke check tolerances (float32): the variants differ from vanilla only by the order of float32 sums.
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Models and variants
+
+
+def make_config(base: dict, layers: int) -> LlamaConfig:
+    config = LlamaConfig(**base, num_hidden_layers=layers)
+    assert config.rope_parameters["rope_theta"] == 500000.0, config.rope_parameters
+    return config
+
+
+def build_model(config: LlamaConfig, dtype: torch.dtype, device: str, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def available_variants() -> list[str]:
+    if peer_apply is None:
+        return [v for v in VARIANTS if not v.startswith("peer")]
+    return [v for v in VARIANTS if v != "peer_tiled" or PeerTiledSwiGLUMLP is not None]
+
+
+def _snapshot(model):
+    instance = {}
+    for module in model.modules():
+        kept = {key: module.__dict__[key] for key in INSTANCE_KEYS if key in module.__dict__}
+        if kept:
+            instance[module] = kept
+    return {
+        "globals": {name: getattr(modeling_llama, name) for name in PATCHED_GLOBALS},
+        "class_forward": type(model).__dict__["forward"],
+        "instance": instance,
+    }
+
+
+def restore(model, saved) -> None:
+    """Undo a variant: modeling_llama's globals, the class forward, and every instance binding."""
+    for name, value in saved["globals"].items():
+        setattr(modeling_llama, name, value)
+    type(model).forward = saved["class_forward"]
+    for module in model.modules():
+        for key in INSTANCE_KEYS:
+            module.__dict__.pop(key, None)
+        module.__dict__.update(saved["instance"].get(module, {}))
+
+
+def _bind(module, name, function) -> None:
+    module.__dict__[name] = types.MethodType(function, module)
+
+
+def apply_variant(name: str, model):
+    """Patch ``model`` as variant ``name``; returns ``(loss_fn(ids), saved, info)``; ``restore(model, saved)``
+    undoes it. ``info["rope_calls"]`` counts this package's rotary calls (ours)."""
+    saved = _snapshot(model)
+    info = {"rope_calls": 0}
+    mlps = [m for m in model.modules() if isinstance(m, LLAMA_MLP)]
+    norms = [m for m in model.modules() if isinstance(m, LLAMA_RMS_NORM)]
+
+    def stock_loss(ids):
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    if name == "vanilla":
+        return stock_loss, saved, info
+    if name in ("peer", "peer_tiled"):
+        if peer_apply is None:
+            raise RuntimeError(f"liger-kernel is not importable: {PEER_ERROR}")
+        peer_apply(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, model=model)
+        if name == "peer_tiled":
+            for mlp in mlps:  # the peer's tiled layer reads these members of its own instances
+                mlp.__dict__["num_shards"] = None
+                _bind(mlp, "_mlp_forward", PeerTiledSwiGLUMLP._mlp_forward)
+                _bind(mlp, "forward", PeerTiledSwiGLUMLP.forward)
+        return stock_loss, saved, info
+    if name in ("ours", "ours_untiled"):
+        layer = lk.LigerTiledSwiGLUMLP if name == "ours" else lk.LigerSwiGLUMLP
+        for mlp in mlps:
+            _bind(mlp, "forward", layer.forward)
+        if hasattr(lk, "LigerRMSNorm"):
+            for norm in norms:
+                _bind(norm, "forward", lk.LigerRMSNorm.forward)
+
+        def rotary(q, k, cos, sin, unsqueeze_dim=1):
+            info["rope_calls"] += 1
+            return lk.liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+        modeling_llama.apply_rotary_pos_emb = rotary
+        return (lambda ids: lk.causal_lm_loss(model, ids, labels=ids)), saved, info
+    raise ValueError(f"unknown variant {name!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The correctness check: every variant against vanilla on a tiny float32 model.
+
+
+def _loss_and_grads(model, variant, ids):
+    loss_fn, saved, info = apply_variant(variant, model)
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(ids)
+        loss.backward()
+        grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}
+    finally:
+        restore(model, saved)
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads, info
+
+
+def _compare(loss, grads, ref_loss, ref_grads) -> dict:
+    loss_rel = abs(loss - ref_loss) / abs(ref_loss)
+    missing = [n for n, g in ref_grads.items() if g is not None and grads.get(n) is None]
+    grad_rel, worst = 0.0, None
+    for n, ref in ref_grads.items():
+        if ref is None or grads.get(n) is None:
+            continue
+        rel = float((grads[n].double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+        if rel > grad_rel:
+            grad_rel, worst = rel, n
+    ok = loss_rel <= LOSS_RTOL and grad_rel <= GRAD_RTOL and not missing and math.isfinite(loss)
+    return {"loss": loss, "loss_rel": loss_rel, "grad_rel": grad_rel, "worst_param": worst,
+            "missing_grads": missing, "ok": ok}  # fmt: skip
+
+
+def verify(device: str, seq: int = 96) -> dict:
+    """Loss and weight gradients of every variant against vanilla: tiny Llama (2 layers, hidden 64, vocab
+    1000), float32, gradient checkpointing on, S = ``seq`` (2 MLP shards), some labels ignored. Then vanilla
+    again, to check that the variants' bindings were undone."""
+    model = build_model(make_config(TINY, 2), torch.float32, device)
+    ids = torch.randint(0, TINY["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    ref_loss, ref_grads, _ = _loss_and_grads(model, "vanilla", ids)
+    result = {"seq": seq, "vanilla_loss": ref_loss, "tolerances": {"loss_rel": LOSS_RTOL, "grad_rel": GRAD_RTOL}}
+    for variant in available_variants():
+        if variant == "vanilla":
+            continue
+        try:
+            loss, grads, info = _loss_and_grads(model, variant, ids)
+        except Exception as error:  # noqa: BLE001
+            result[variant] = {"ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+            continue
+        result[variant] = _compare(loss, grads, ref_loss, ref_grads)
+        if variant.startswith("ours"):
+            result[variant]["rope_calls"] = info["rope_calls"]
+            result[variant]["ok"] &= info["rope_calls"] > 0  # the patched rotary must be the one called
+    loss, grads, _ = _loss_and_grads(model, "vanilla", ids)
+    result["vanilla_after_restore"] = _compare(loss, grads, ref_loss, ref_grads)
+    result["ok"] = all(r["ok"] for r in result.values() if isinstance(r, dict) and "ok" in r)
+    del model, ref_grads, grads
+    gc.collect()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Measurement
+
+
+def _is_oom(error: BaseException) -> bool:
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text.lower() or "ALLOC_FAILED" in text)
+
+
+def _free(model, cuda: bool) -> None:
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def implied_max_tokens(points, total_bytes: int, base_bytes: int, step: int):
+    """Largest multiple of ``step`` tokens whose extra memory (linear in S through ``points`` [(S, bytes)])
+    fits in ``total_bytes - base_bytes``. One point: no intercept, an upper bound on memory per token."""
+    points = sorted(points)
+    if not points:
+        return None
+    if len(points) >= 2:
+        (s1, m1), (s2, m2) = points[-2], points[-1]
+        slope = (m2 - m1) / (s2 - s1)
+        intercept, method = m1 - slope * s1, "two points"
+    else:
+        (s1, m1) = points[0]
+        slope, intercept, method = m1 / s1, 0.0, "one point (upper bound on memory per token)"
+    if slope <= 0:
+        return {"method": method, "bytes_per_token": slope, "intercept_gib": intercept / GIB, "max_S": None}
+    tokens = (total_bytes - base_bytes - intercept) / slope
+    return {"method": method, "kib_per_token": slope / 1024, "intercept_gib": intercept / GIB,
+            "max_S": int(tokens // step * step)}  # fmt: skip
+
+
+class Bench:
+    def __init__(self, device: str, quick: bool, budget_s: float, out_path=None):
+        self.device, self.quick, self.cuda = device, quick, device.startswith("cuda")
+        self.start = time.perf_counter()
+        self.deadline = self.start + budget_s
+        self.phase_deadline = self.deadline
+        self.out_path = out_path
+        self.result = None
+        self.times = {}  # (phase, variant) -> [(S, seconds per step)]
+        self.broken = {}  # (phase, variant) -> error
+
+    # --- time budget -----------------------------------------------------------------------------------
+    def left(self) -> float:
+        return min(self.deadline, self.phase_deadline) - time.perf_counter()
+
+    def predict(self, phase, variant, seq):
+        """Seconds per step at ``seq``: from this variant's (else any variant's) longest measured step,
+        scaled by (S/S0)^2 above S0 (attention dominates; overestimates the linear part) or S/S0 below."""
+        points = self.times.get((phase, variant)) or [p for (ph, _), ps in self.times.items() if ph == phase
+                                                       for p in ps]  # fmt: skip
+        if not points:
+            return None
+        s0, t0 = max(points)
+        return t0 * (seq / s0) ** 2 if seq > s0 else t0 * seq / s0
+
+    def save(self) -> None:
+        if self.out_path and self.result is not None:
+            self.result["elapsed_s"] = time.perf_counter() - self.start
+            tmp = Path(str(self.out_path) + ".tmp")
+            tmp.write_text(json.dumps(self.result, indent=2))
+            tmp.replace(self.out_path)
+
+    # --- one measurement ---------------------------------------------------------------------------------
+    def _step(self, model, loss_fn, ids, oom_above):
+        model.zero_grad(set_to_none=True)
+        base = 0
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        begin = time.perf_counter()
+        if oom_above is not None and ids.shape[1] > oom_above:
+            raise torch.OutOfMemoryError(f"simulated: S {ids.shape[1]} > {oom_above} (--quick)")
+        loss = loss_fn(ids)
+        loss.backward()
+        if self.cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - begin
+        extra = torch.cuda.max_memory_allocated() - base if self.cuda else None
+        return seconds, extra, float(loss.detach())
+
+    def attempt(self, model, phase, variant, seq, warmup, timed) -> dict:
+        row = {"model": phase, "variant": variant, "S": seq}
+        if (phase, variant) in self.broken:
+            return dict(row, status="skipped", error=f"earlier error: {self.broken[(phase, variant)]}")
+        vocab = model.config.vocab_size
+        generator = torch.Generator().manual_seed(seq)
+        ids = torch.randint(0, vocab, (1, seq), generator=generator).to(self.device)
+        oom_above = QUICK_OOM_ABOVE.get(variant) if self.quick else None
+        steps, status, error = [], "ok", None
+        loss_fn, saved, info = apply_variant(variant, model)
+        try:
+            for _ in range(warmup + timed):
+                steps.append(self._step(model, loss_fn, ids, oom_above))
+        except Exception as exc:  # noqa: BLE001  (out of memory or a failing variant: record it, go on)
+            status = "oom" if _is_oom(exc) else "error"
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        finally:
+            restore(model, saved)
+        del ids, loss_fn
+        _free(model, self.cuda)
+        if status == "error":
+            self.broken[(phase, variant)] = error
+        row.update(status=status, steps=len(steps), warmup=warmup)
+        if error:
+            row["error"] = error
+        if status == "ok":
+            seconds = [s for s, _, _ in steps[warmup:]] or [steps[-1][0]]
+            median = statistics.median(seconds)
+            # The warm-up step may autotune (extra buffers): memory from the timed steps.
+            extras = [e for _, e, _ in (steps[warmup:] or steps) if e is not None]
+            row.update(
+                ms=median * 1e3, ms_steps=[s * 1e3 for s in seconds], warmup_ms=steps[0][0] * 1e3 if warmup else None,
+                extra_gib=max(extras) / GIB if extras else None, extra_bytes=max(extras) if extras else None,
+                tokens_per_s=seq / median, loss=steps[-1][2],
+            )  # fmt: skip
+            if variant.startswith("ours"):
+                row["rope_calls_per_step"] = info["rope_calls"] / len(steps)
+            self.times.setdefault((phase, variant), []).append((seq, median))
+        print(f"  [{time.perf_counter() - self.start:6.0f}s] {phase} {variant:12s} S={seq:>8}: {status}"
+              + (f" {row['ms']:.0f} ms, extra {_fmt(row['extra_gib'], '.2f')} GiB" if status == "ok" else "")
+              + (f" ({error[:120]})" if status == "error" else ""), flush=True)  # fmt: skip
+        return row
+
+    def timed(self, model, phase, variant, seq) -> dict:
+        """1 warm-up and 3 timed steps (fewer when a step is predicted long), if the budget allows."""
+        if (phase, variant) in self.broken:
+            return self.attempt(model, phase, variant, seq, 0, 0)
+        per_step = self.predict(phase, variant, seq)
+        timed = 3 if per_step is None or per_step <= 4 else 2 if per_step <= 15 else 1
+        while per_step is not None and timed > 1 and (1 + timed) * per_step > self.left():
+            timed -= 1
+        if self.left() <= 0 or (per_step is not None and (1 + timed) * per_step > self.left()):
+            predicted = "?" if per_step is None else f"{(1 + timed) * per_step:.0f}"
+            return {"model": phase, "variant": variant, "S": seq, "status": "skipped",
+                    "error": f"budget: predicted {predicted} s, {self.left():.0f} s left"}  # fmt: skip
+        return self.attempt(model, phase, variant, seq, 1, timed)
+
+    # --- phases --------------------------------------------------------------------------------------------
+    def fixed_lengths(self, model, phase, lengths, variants) -> list[dict]:
+        rows = []
+        for seq in lengths:
+            for variant in variants:
+                rows.append(self.timed(model, phase, variant, seq))
+                self.result[phase]["rows"] = rows
+                self.save()
+        return rows
+
+    def search(self, model, phase, rows, variants, start, step, cap) -> dict:
+        """Largest S (multiple of ``step``) that fits, per variant: double from the largest fit until one
+        does not, then bisect; one step per try; the cheapest pending try first, within the budget."""
+        state = {}
+        for variant in variants:
+            fits = [r["S"] for r in rows if r["variant"] == variant and r["status"] == "ok"]
+            lo = max(fits) if fits else None
+            ooms = [r["S"] for r in rows if r["variant"] == variant and r["status"] == "oom" and (lo is None or
+                                                                                                   r["S"] > lo)]  # fmt: skip
+            state[variant] = {"max_S": lo, "oom_at": min(ooms) if ooms else None, "attempts": [], "done": False}
+
+        def candidate(s):
+            lo, hi = s["max_S"], s["oom_at"]
+            if lo is None and hi is None:
+                return start
+            if lo is None:
+                c = hi // 2 // step * step
+                return c if c >= step else None
+            if hi is None:
+                return min(2 * lo, cap) if lo < cap else None
+            c = (lo + hi) // 2 // step * step
+            return c if lo < c < hi else None
+
+        while True:
+            pending = []
+            for variant, s in state.items():
+                if s["done"] or (phase, variant) in self.broken:
+                    s["done"] = True
+                    continue
+                c = candidate(s)
+                if c is None:
+                    s["done"] = True
+                    continue
+                pending.append((self.predict(phase, variant, c) or 0.0, c, variant))
+            if not pending:
+                break
+            cost, seq, variant = min(pending)
+            if cost > self.left() or self.left() <= 0:
+                for _, c, v in pending:
+                    state[v]["stopped"] = f"budget: next try S={c} predicted {self.predict(phase, v, c) or 0:.0f} s"
+                break
+            row = self.attempt(model, phase, variant, seq, 0, 1)
+            s = state[variant]
+            s["attempts"].append(row)
+            if row["status"] == "ok":
+                s["max_S"] = seq
+            elif row["status"] == "oom":
+                s["oom_at"] = seq
+            else:
+                s["done"] = True
+            self.result[phase]["search"] = state
+            self.save()
+        for variant, s in state.items():
+            s["complete"] = "stopped" not in s and (phase, variant) not in self.broken
+            s["at_cap"] = s["max_S"] == cap
+            s.pop("done", None)
+        return state
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _model_info(model) -> dict:
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"params": sum(p.numel() for p in model.parameters()), "weights_gib": params / GIB,
+            "grads_gib": params / GIB}  # fmt: skip
+
+
+def _phase(bench: Bench, name: str, spec: dict, dtype, variants) -> dict:
+    base = TINY if bench.quick else LLAMA3_8B
+    config = make_config(base, spec["layers"])
+    out = bench.result[name] = {"layers": spec["layers"], "lengths": list(spec["lengths"]), "rows": []}
+    model = build_model(config, dtype, bench.device)
+    out.update(_model_info(model))
+    if bench.cuda:
+        torch.cuda.synchronize()
+        out["allocated_before_gib"] = torch.cuda.memory_allocated() / GIB
+    print(f"{name}: {out['params']:,} parameters, {out['weights_gib']:.2f} GiB", flush=True)
+    rows = bench.fixed_lengths(model, name, spec["lengths"], variants)
+    total = torch.cuda.get_device_properties(bench.device).total_memory if bench.cuda else None
+    base_bytes = torch.cuda.memory_allocated() if bench.cuda else None
+    implied = {}
+    for variant in variants:
+        points = [(r["S"], r["extra_bytes"]) for r in rows if r["variant"] == variant and r["status"] == "ok"
+                  and r.get("extra_bytes") is not None]  # fmt: skip
+        implied[variant] = implied_max_tokens(points, total, base_bytes, spec["step"]) if total else None
+    out["implied"] = implied
+    if "start" in spec:
+        bench.search(model, name, rows, variants, spec["start"], spec["step"], spec["cap"])
+    else:
+        out["confirm"] = _confirm(bench, model, name, implied.get("ours"), spec["step"], config)
+    bench.save()
+    del model
+    gc.collect()
+    if bench.cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def _confirm(bench, model, phase, implied, step, config) -> list[dict]:
+    """One step of ``ours`` at 97% of the implied largest S, then at 90% if that does not fit."""
+    if not implied or not implied.get("max_S"):
+        return [{"status": "skipped", "error": "no memory figures (CPU, or ours did not run)"}]
+    tries = []
+    for fraction in (0.97, 0.90):
+        seq = min(int(implied["max_S"] * fraction) // step * step, config.max_position_embeddings)
+        predicted = bench.predict(phase, "ours", seq)
+        if predicted is not None and predicted > bench.left():
+            tries.append({"S": seq, "status": "skipped", "error": f"budget: predicted {predicted:.0f} s, "
+                          f"{bench.left():.0f} s left"})  # fmt: skip
+            break
+        row = bench.attempt(model, phase, "ours", seq, 0, 1)
+        tries.append(row)
+        if row["status"] != "oom":
+            break
+    return tries
+
+
+def _env(device: str) -> dict:
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "device": device,
+           "has_LigerRMSNorm": hasattr(lk, "LigerRMSNorm"), "variants": available_variants(),
+           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+           "gradient_checkpointing": "non-reentrant", "attention": "sdpa"}  # fmt: skip
+    try:
+        from importlib.metadata import version
+
+        env["liger_kernel"] = version("liger-kernel")
+    except Exception:  # noqa: BLE001
+        env["liger_kernel"] = None
+    env["peer_error"] = PEER_ERROR
+    env["peer_tiled"] = (
+        "peer LigerTiledSwiGLUMLP.forward bound on each LlamaMLP (apply_liger_kernel_to_llama has no tiled option)"
+        if PeerTiledSwiGLUMLP is not None
+        else "n/a"
+    )
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, total_memory_gib=props.total_memory / GIB)
+    return env
+
+
+def run(budget_s: float = 300.0, only: str | None = None, device: str = "cuda", quick: bool = False,
+        out_path=None) -> dict:  # fmt: skip
+    """Everything above, as a JSON-serializable dict; no measurement starts once ``budget_s`` is spent (nor
+    one predicted to outlast it). ``only``: "4layer" or "32layer"."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: use --device cpu --quick for the smoke test")
+    bench = Bench(device, quick, budget_s, out_path)
+    specs = QUICK if quick else FULL
+    phases = [only] if only else list(specs)
+    bench.result = {"env": _env(device), "budget_s": budget_s, "quick": quick}
+    print("verify (tiny float32 model, every variant against vanilla) ...", flush=True)
+    bench.result["verify"] = verify(device)
+    print(f"  verify ok: {bench.result['verify']['ok']}", flush=True)
+    if quick:
+        assert bench.result["verify"]["ok"], json.dumps(bench.result["verify"], indent=2)
+        check = implied_max_tokens([(32768, 10 * GIB), (65536, 18 * GIB)], 141 * GIB, 16 * GIB, 4096)
+        assert check["max_S"] == int((125 * GIB - 2 * GIB) / (8 * GIB / 32768)) // 4096 * 4096, check
+    dtype = torch.float32 if quick else torch.bfloat16
+    variants = available_variants()
+    for i, name in enumerate(phases):
+        # With both phases, the 4-layer one leaves 45% of the budget to the 32-layer one.
+        bench.phase_deadline = bench.start + 0.55 * budget_s if len(phases) > 1 and i == 0 else bench.deadline
+        _phase(bench, name, specs[name], dtype, variants)
+    bench.result["elapsed_s"] = time.perf_counter() - bench.start
+    bench.save()
+    if quick:
+        _check_quick(bench.result, variants)
+    return bench.result
+
+
+def _check_quick(result, variants) -> None:
+    """The smoke run went through every path: measured rows, simulated out-of-memory, the search's bisection."""
+    rows = [r for phase in ("4layer", "32layer") if phase in result for r in result[phase]["rows"]]
+    incomplete = [r for r in rows if r["status"] not in ("ok", "oom")]
+    assert not incomplete, f"the smoke run did not run every path (budget too small?): {incomplete}"
+    assert {r["variant"] for r in rows if r["status"] == "ok"} == set(variants), rows
+    if "4layer" in result:
+        search, cap = result["4layer"]["search"], QUICK["4layer"]["cap"]
+        for variant in variants:
+            expected = QUICK_OOM_ABOVE[variant] // 16 * 16 if variant in QUICK_OOM_ABOVE else cap
+            assert search[variant]["max_S"] == expected and search[variant]["complete"], (variant, search[variant])
+    for r in rows:
+        if r["status"] == "ok" and r["variant"].startswith("ours"):
+            assert r["rope_calls_per_step"] > 0, r
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Report
+
+
+def _fmt(value, spec="") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    lines = []
+    env = result["env"]
+    lines.append(f"torch {env['torch']}, transformers {env['transformers']}, liger-kernel {env['liger_kernel']}, "
+                 f"{env.get('gpu', env['device'])}; LigerRMSNorm: {env['has_LigerRMSNorm']}; "
+                 f"peer_tiled: {env['peer_tiled']}")  # fmt: skip
+    verify_result = result.get("verify", {})
+    lines.append(f"\nverify (float32, tiny model; loss rel / weight-grad rel vs vanilla): ok={verify_result.get('ok')}")
+    for variant, r in verify_result.items():
+        if isinstance(r, dict) and "ok" in r:
+            lines.append(
+                f"- {variant}: "
+                + (f"{r['loss_rel']:.1e} / {r['grad_rel']:.1e}" if "loss_rel" in r else r.get("error", ""))
+                + ("" if r["ok"] else "  **FAILED**")
+            )
+    for phase in ("4layer", "32layer"):
+        if phase not in result:
+            continue
+        out = result[phase]
+        lines.append(f"\n### {phase} ({out['layers']} layers, {out['weights_gib']:.2f} GiB weights; extra peak "
+                     f"includes the weights' gradients, {out['grads_gib']:.2f} GiB)\n")  # fmt: skip
+        lines.append("| variant | S | ms/step | extra peak GiB | tokens/s | loss |")
+        lines.append("|---|---|---|---|---|---|")
+        for r in out["rows"]:
+            if r["status"] == "ok":
+                lines.append(f"| {r['variant']} | {r['S']} | {r['ms']:.0f} | {_fmt(r.get('extra_gib'), '.2f')} "
+                             f"| {r['tokens_per_s']:.0f} | {r['loss']:.4f} |")  # fmt: skip
+            else:
+                lines.append(f"| {r['variant']} | {r['S']} | {r['status']} | | | {r.get('error', '')[:60]} |")
+        lines.append("\n| variant | KiB/token | implied max S (total memory) |")
+        lines.append("|---|---|---|")
+        for variant, imp in out.get("implied", {}).items():
+            imp = imp or {}
+            note = f" ({imp['method']})" if imp.get("method", "").startswith("one point") else ""
+            lines.append(f"| {variant} | {_fmt(imp.get('kib_per_token'), '.1f')} | {_fmt(imp.get('max_S'))}{note} |")
+        if "search" in out:
+            lines.append("\n| variant | largest S that fits | smallest S that did not | search |")
+            lines.append("|---|---|---|---|")
+            for variant, s in out["search"].items():
+                how = "complete" if s.get("complete") else s.get("stopped", "stopped (error)")
+                if s.get("at_cap"):
+                    how = "reached the cap (max_position_embeddings)"
+                lines.append(f"| {variant} | {_fmt(s['max_S'])} | {_fmt(s['oom_at'])} | {how} |")
+        for row in out.get("confirm", []):
+            lines.append(f"\nconfirm ours at S={row.get('S')}: {row['status']}"
+                         + (f", {row['ms']:.0f} ms, extra {_fmt(row.get('extra_gib'), '.2f')} GiB"
+                            if row["status"] == "ok" else f" {row.get('error', '')}"))  # fmt: skip
+    lines.append(f"\nelapsed {result.get('elapsed_s', 0):.0f} s of a {result['budget_s']:.0f} s budget")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds; no new measurement after that")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here (updated after each measurement)")
+    parser.add_argument("--only", choices=("4layer", "32layer"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="tiny model, short S: the smoke test (CPU)")
+    args = parser.parse_args()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = run(args.budget, only=args.only, device=args.device, quick=args.quick, out_path=args.out)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
