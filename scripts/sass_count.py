@@ -2,7 +2,7 @@
 an sm_90 GPU (no GPU needed: Triton's bundled ptxas and cuobjdump do the work). The elementwise kernels are
 instruction-bound once the math is heavy (exact GELU); this counts what each activation costs.
 
-    python scripts/sass_count.py [--block 2048] [--warps 4] [--strided]
+    python scripts/sass_count.py [--block 2048] [--warps 4] [--strided] [--dry-run]
 
 The kernels' signatures are read from their parameters: ``*_ptr`` arguments are bf16 pointers,
 ``*_multiplier`` arguments fp32 scalars, the other runtime arguments (sizes, strides) i64, as the launchers in
@@ -100,10 +100,18 @@ def main():
     parser.add_argument("--block", type=int, help="default: _gated.BLOCK")
     parser.add_argument("--warps", type=int, help="default: _gated.NUM_WARPS")
     parser.add_argument("--strided", action="store_true", help="rows through a stride (ONE_ROW=False)")
+    parser.add_argument("--dry-run", action="store_true", help="print what would be compiled, compile nothing")
     args = parser.parse_args()
     lk = package()
     args.block, args.warps = args.block or lk._gated.BLOCK, args.warps or lk._gated.NUM_WARPS
     per_thread = args.block // (32 * args.warps)
+    if args.dry_run:
+        for phase, kernel in kernels(lk).items():
+            print(f"{phase}: {signature(kernel)}")
+            for name, activation in lk.activations.REGISTRY.items():
+                values = constexprs(kernel, activation, args.block, not args.strided)
+                print(f"  {name}: " + ", ".join(f"{k}={getattr(v, '__name__', v)}" for k, v in values.items()))
+        return
     print(f"BLOCK {args.block}, {args.warps} warps: {per_thread} elements per thread; SASS instructions per element")
     for name, activation in lk.activations.REGISTRY.items():
         counts = {

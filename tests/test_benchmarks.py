@@ -1,6 +1,7 @@
 """The benchmarks, without a GPU: the `kernels benchmark` scripts run and verify at small shapes on the CPU; the
 maintainers' suite runs end to end in its CPU smoke mode, and its tables compute the ratios they claim."""
 
+import ast
 import importlib.util
 import inspect
 import json
@@ -180,10 +181,15 @@ def test_plot_reads_the_older_layout(suite_module):
 # The suite, end to end on the CPU
 
 
+def _plain_env():
+    """The environment without the test harness's backend settings: the scripts pick their own paths."""
+    return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LIGER_KERNELS_BACKEND")}
+
+
 def test_suite_smoke_on_cpu(lk, tmp_path, suite_module):
     """bench_all.py --device cpu --quick: every section's code runs (tiny shapes, PyTorch path), the JSON holds
     every section, the host section covers the public entry points, and plot.py reads the JSON."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LIGER_KERNELS_BACKEND")}
+    env = _plain_env()
     out = tmp_path / "smoke"
     done = subprocess.run([sys.executable, str(SUITE / "bench_all.py"), "--device", "cpu", "--quick", "--out", str(out)],
                           check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)  # fmt: skip
@@ -225,29 +231,46 @@ def test_suite_smoke_on_cpu(lk, tmp_path, suite_module):
     assert "| `silu_mul` |" in text and "| ceilings | ok |" in text
 
 
-def test_bench_all_model_section_gets_the_budget_left(suite_module, monkeypatch):
-    """bench_model.run(budget_s) gets what --budget-s leaves, at most --model-budget-s; with too little left it
-    is skipped, and a failing section is recorded, not raised."""
+def test_bench_all_model_section_gets_the_budget_left(suite_module, monkeypatch, tmp_path):
+    """bench_model.run(budget_s, ...) gets what --budget-s leaves, at most --model-budget-s; with too little left
+    it is skipped, and a failing section is recorded, not raised."""
     bench_all = suite_module("bench_all")
-    budgets = []
+    calls = []
     fake = types.ModuleType("bench_model")
-    fake.run = lambda budget_s: budgets.append(budget_s) or {"tokens_per_s": 1.0}
+    fake.run = lambda budget_s, **kwargs: calls.append((budget_s, kwargs)) or {"tokens_per_s": 1.0}
     monkeypatch.setitem(sys.modules, "bench_model", fake)
+    monkeypatch.setitem(bench_all._PATHS, "json", tmp_path / "run.json")
     args = bench_all.parse_args(["--out", "unused", "--device", "cpu", "--budget-s", "1000", "--model-budget-s", "300"])
     results = {"sections": {}}
     now = bench_all.time.perf_counter()
     bench_all.run_section("model", args, results, now, args.budget_s)
     assert results["model"] == {"tokens_per_s": 1.0} and results["sections"]["model"]["status"] == "ok"
-    assert budgets == [300.0]
+    assert calls == [(300.0, {"device": "cpu", "quick": False, "out_path": tmp_path / "run_model.json"})]
     bench_all.run_section("model", args, results, now - 800, args.budget_s)  # 800 s gone: 185 s left
-    assert budgets[-1] == pytest.approx(185.0, abs=1.0)
+    assert calls[-1][0] == pytest.approx(185.0, abs=1.0)
     bench_all.run_section("model", args, results, now - 990, args.budget_s)
-    assert len(budgets) == 2 and results["sections"]["model"]["status"].startswith("skipped")
+    assert len(calls) == 2 and results["sections"]["model"]["status"].startswith("skipped")
     bench_all.run_section("flce", args, results, now - 2000, args.budget_s)
     assert results["sections"]["flce"]["status"].startswith("skipped")
-    fake.run = lambda budget_s: 1 / 0
+    fake.run = lambda budget_s, **kwargs: 1 / 0
     bench_all.run_section("model", args, results, now, args.budget_s)
     assert results["sections"]["model"]["status"].startswith("failed: ZeroDivisionError")
+
+
+def test_bench_all_calls_the_section_modules_as_they_are():
+    """The run(...) of each section module takes the arguments bench_all.py passes (read from the sources, so
+    that no module is imported here)."""
+    wanted = {"bench_model": {"budget_s", "device", "quick", "out_path"}, "bench_rms_norm": {"copy_bytes_per_s"},
+              "bench_rotary": {"copy_bytes_per_s", "device", "shape"}, "bench_flce": {"copy_bytes_per_s", "device"},
+              "bench_host": {"copy_bytes_per_s", "device", "quick"}, "bench_mlp": {"seqs", "device", "hidden"},
+              "bench_activations": {"copy_bytes_per_s", "sweep", "shapes", "device"}}  # fmt: skip
+    for name, arguments in wanted.items():
+        path = SUITE / f"{name}.py"
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text())
+        run = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "run")
+        assert arguments <= {a.arg for a in run.args.args + run.args.kwonlyargs}, name
 
 
 def test_bench_all_output_paths(suite_module):
@@ -260,14 +283,19 @@ def test_bench_all_output_paths(suite_module):
 
 
 def test_sass_count_reads_kernel_signatures(lk):
-    """scripts/sass_count.py types each kernel argument from its name and fills every constexpr; its compiles
-    for sm_90 run offline (python scripts/sass_count.py)."""
-    sass_count = _load(ROOT / "scripts" / "sass_count.py")
-    for kernel in sass_count.kernels(lk).values():
-        sig = sass_count.signature(kernel)
-        assert list(sig) == kernel.arg_names
-        assert {sig[n] for n in kernel.arg_names if n.endswith("_ptr")} == {"*bf16"}
-        assert {sig[n] for n in ("BLOCK", "ONE_ROW")} == {"constexpr"}
-        for activation in lk.activations.REGISTRY.values():
-            values = sass_count.constexprs(kernel, activation, 2048, True)
-            assert set(values) == {n for n, t in sig.items() if t == "constexpr"}
+    """scripts/sass_count.py types each kernel argument from its name and fills every constexpr for every
+    registry activation (--dry-run: no compile; the sm_90 compiles run offline with the plain command)."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_count.py"), "--dry-run"], check=False,
+                          capture_output=True, text=True, env=_plain_env(), cwd=ROOT, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    phases = [line for line in lines if not line.startswith(" ")]
+    assert [p.split(":")[0] for p in phases] == ["forward", "backward"]
+    for phase in phases:
+        assert "'gate_ptr': '*bf16'" in phase and "'n_cols': 'i64'" in phase and "'BLOCK': 'constexpr'" in phase
+        assert "'gate_multiplier': 'fp32'" in phase
+    for name in lk.activations.REGISTRY:
+        assert len([line for line in lines if line.startswith(f"  {name}: ")]) == 2, name
+    assert sum("ACTIVATION_AND_GRAD=" in line and "STORE_OUT=False" in line for line in lines) == len(
+        lk.activations.REGISTRY
+    )

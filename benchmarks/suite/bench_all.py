@@ -29,7 +29,7 @@ import platform
 import sys
 import time
 import traceback
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -38,8 +38,8 @@ import torch
 
 SUITE = Path(__file__).resolve().parent
 sys.path.insert(0, str(SUITE))
-import plot
-import timing
+import plot  # noqa: E402
+import timing  # noqa: E402
 
 SECTIONS = ("ceilings", "host", "activations", "rms_norm", "rotary", "flce", "mlp", "model")
 SEQS = "8192,32768,65536,131072,1048576"
@@ -63,8 +63,10 @@ def _module(name):
 
 def section_ceilings(args, results):
     if args.quick:
-        return {"copy_bytes_per_s": timing.copy_bytes_per_s(args.device, 2**20),
-                "gemm_tflops": timing.gemm_tflops(args.device, 64)}  # fmt: skip
+        return {
+            "copy_bytes_per_s": timing.copy_bytes_per_s(args.device, 2**20),
+            "gemm_tflops": timing.gemm_tflops(args.device, 64),
+        }
     return {"copy_bytes_per_s": timing.copy_bytes_per_s(args.device), "gemm_tflops": timing.gemm_tflops(args.device)}
 
 
@@ -112,10 +114,12 @@ def section_mlp(args, results):
 
 def section_model(args, results, budget_s):
     module = _module("bench_model")
-    return module.run(budget_s)
+    partial = _PATHS["json"].with_name(_PATHS["json"].stem + "_model.json")  # its own progress, kept if cut short
+    return module.run(budget_s, device=args.device, quick=args.quick, out_path=partial)
 
 
 RUNNERS = {name: globals()[f"section_{name}"] for name in SECTIONS}
+_PATHS = {"json": Path("bench_all.json")}  # set by main()
 
 
 def _copy(results) -> float:
@@ -133,7 +137,7 @@ def header(args) -> dict:
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "versions": versions,
-        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "sections": {},
     }
@@ -156,7 +160,7 @@ def run_section(name, args, results, start, budget_s) -> None:
             model_budget = min(args.model_budget_s, budget_s - elapsed - 15)
             if model_budget < MIN_MODEL_BUDGET_S and not args.quick:
                 raise TimeoutError(f"{max(model_budget, 0):.0f} s left of --budget-s, under {MIN_MODEL_BUDGET_S} s")
-            if args.quick:
+            if args.quick:  # its own smoke test takes half a minute: bench_model.py --device cpu --quick
                 raise Absent("bench_model is not run with --quick")
             print(f"\n=== model (budget {model_budget:.0f} s)", flush=True)
             results[name] = RUNNERS[name](args, results, model_budget)
@@ -207,6 +211,7 @@ def main(argv=None) -> dict:
     if args.quick:
         timing.quick_mode()
     path, png = output_paths(args.out)
+    _PATHS["json"] = path
     results = json.loads(path.read_text()) if args.append and path.exists() else header(args)
     results.setdefault("sections", {})
     wanted = [name for name in SECTIONS if name in args.sections.split(",")]

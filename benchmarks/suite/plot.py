@@ -1,14 +1,15 @@
 """Markdown tables and the PNG of a bench_all.py JSON, with the targets beside the figures.
 
     python benchmarks/suite/plot.py benchmarks/results/h200_DATE.json   # prints the tables, writes the .png
+    python benchmarks/suite/plot.py A.json B.json --out C.json          # merges runs of different sections
 
 Reads the older layout too (results/bench_all_h200_2026-11-29.json: activations named swiglu / geglu_tanh /
 geglu_exact, ceilings inside the activations and MLP sections).
 """
 
+import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 GIB = 2**30
@@ -191,8 +192,17 @@ def _host_table(results):
     for (entry, inputs), variants in by_key.items():
         eager = variants.get("eager", {})
         ratio = " / ".join("–" if r is None else f"{r:.2f}×" for r in ratios[(entry, inputs)])
-        body.append([f"`{entry}`", _number(inputs), _us_pair(variants.get("ours")), _number(eager.get("impl")),
-                     _us_pair(eager), _us_pair(variants.get("peer")), ratio])  # fmt: skip
+        body.append(
+            [
+                f"`{entry}`",
+                _number(inputs),
+                _us_pair(variants.get("ours")),
+                _number(eager.get("impl")),
+                _us_pair(eager),
+                _us_pair(variants.get("peer")),
+                ratio,
+            ]
+        )
     config = (results.get("host") or {}).get("config", {}) if isinstance(results.get("host"), dict) else {}
     counts = f"{config.get('calls', 300)} calls after {config.get('warmup', 50)}, median of {config.get('repeats', 5)}"
     table = _table(
@@ -241,7 +251,22 @@ def generic_table(title, rows):
     return _table(title, keys, [[_number(row.get(k)) for k in keys] for row in rows])
 
 
+def _model_report(model):
+    try:
+        import bench_model
+
+        return bench_model.markdown(model)
+    except Exception as error:  # noqa: BLE001 (not importable here, or a partial result its report does not read)
+        print(f"(bench_model's report unavailable: {type(error).__name__}: {str(error)[:100]}; generic tables)")
+        return None
+
+
 def _model_lines(model):
+    """bench_model.py's own report where it can be imported (the suite's directory on sys.path), else every
+    scalar, every list of rows as a table, and the rest as JSON."""
+    report = _model_report(model)
+    if report is not None:
+        return ["Model (bench_model.py):", "", report, ""]
     if not isinstance(model, dict):
         return ["Model (bench_model.py):", "", _number(model), ""]
     lines = []
@@ -249,10 +274,12 @@ def _model_lines(model):
     if scalars:
         lines += _table("Model (bench_model.py):", list(scalars), [[_number(v) for v in scalars.values()]])
     for key, value in model.items():
-        if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
-            lines += generic_table(f"Model: {key}", value)
-        elif isinstance(value, (list, dict)):
-            lines += [f"Model: {key}: `{json.dumps(value, default=str)[:2000]}`", ""]
+        rows = value.get("rows") if isinstance(value, dict) else value
+        if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
+            lines += generic_table(f"Model: {key}", rows)
+        if isinstance(value, dict) or (isinstance(value, list) and rows is not value):
+            rest = {k: v for k, v in value.items() if k != "rows"} if isinstance(value, dict) else value
+            lines += [f"Model: {key}: `{json.dumps(rest, default=str)[:2000]}`", ""]
     return lines
 
 
@@ -326,7 +353,7 @@ def _plot_activations(ax, results):
                     xs.append(g - 0.4 + (2 * k + phase_index + 0.5) * width)
                     ys.append(row[f"{phase}_graph_pct"])
             ax.bar(xs, ys, width, label=f"{impl} {phase}", color=f"C{k}", alpha=1.0 if phase == "fwd" else 0.55)
-    for g, (op, shape) in enumerate(groups):
+    for g, (_, shape) in enumerate(groups):
         if shape in ACTIVATION_TARGET:
             ax.hlines(ACTIVATION_TARGET[shape], g - 0.45, g + 0.45, colors="k", linestyles="--", linewidth=1)
     ax.set_xticks(range(len(groups)))
@@ -372,12 +399,30 @@ def plot(results, path):
     plt.close(fig)
 
 
+def merge(parts):
+    """One result from several bench_all.py JSONs (runs of different sections): later files' sections win."""
+    merged = {}
+    for part in parts:
+        for key, value in part.items():
+            if key == "sections":
+                merged.setdefault("sections", {}).update(value)
+            else:
+                merged[key] = value
+    return merged
+
+
 def main(argv=None):
-    path = Path((argv or sys.argv[1:])[0])
-    results = json.loads(path.read_text())
+    parser = argparse.ArgumentParser(description="Tables (stdout) and PNG of bench_all.py JSON files.")
+    parser.add_argument("json", type=Path, nargs="+", help="one run, or runs of different sections to merge")
+    parser.add_argument("--out", type=Path, help="write the merged JSON here (the PNG beside it)")
+    args = parser.parse_args(argv)
+    results = merge(json.loads(path.read_text()) for path in args.json)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
     print(summary(results))
-    plot(results, path.with_suffix(".png"))
-    print(f"wrote {path.with_suffix('.png')}")
+    png = (args.out or args.json[0]).with_suffix(".png")
+    plot(results, png)
+    print(f"wrote {png}")
 
 
 if __name__ == "__main__":
