@@ -12,13 +12,24 @@ import types
 
 import pytest
 import torch
-from harness import ROOT
 from kernels.benchmark import Benchmark
+
+from harness import ROOT
 
 SCRIPTS = sorted((ROOT / "benchmarks").glob("benchmark*.py"))
 SUITE = ROOT / "benchmarks" / "suite"
-SMALL = {"rows": 64, "cols": 96, "seq": 200, "hidden": 32, "intermediate": 48, "heads": 4, "kv_heads": 2,
-         "head_dim": 16, "tokens": 64, "vocab": 100}  # fmt: skip
+SMALL = {
+    "rows": 64,
+    "cols": 96,
+    "seq": 200,
+    "hidden": 32,
+    "intermediate": 48,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "tokens": 64,
+    "vocab": 100,
+}
 NEEDS = {"benchmark_rms_norm": "rms_norm"}  # scripts for ops that arrive from other branches
 
 
@@ -87,24 +98,65 @@ def synthetic_results():
         {"op": "gelu", "shape": [4, 64], "impl": "eager", "fwd_graph_pct": 50.0, "bwd_graph_pct": 40.0},
     ]
     host = [
-        {"entry": "silu_mul", "inputs": "16x4096", "variant": "ours", "fwd_us": 50.0, "fwd_synced_us": 51.0,
-         "fwd_bwd_us": 200.0, "fwd_bwd_synced_us": 201.0},
-        {"entry": "silu_mul", "inputs": "16x4096", "variant": "eager", "impl": "F.silu(a) * b", "fwd_us": 25.0,
-         "fwd_synced_us": 25.0, "fwd_bwd_us": 160.0, "fwd_bwd_synced_us": 161.0},
-        {"entry": "silu_mul", "inputs": "16x4096", "variant": "peer", "fwd_us": 40.0, "fwd_synced_us": 40.0,
-         "fwd_bwd_us": 220.0, "fwd_bwd_synced_us": 221.0},
-        {"entry": "LigerSwiGLUMLP", "inputs": "decode, batch 1", "variant": "ours", "fwd_us": 90.0,
-         "fwd_synced_us": 180.0},
-        {"entry": "LigerSwiGLUMLP", "inputs": "decode, batch 1", "variant": "eager", "impl": "LlamaMLP.forward",
-         "fwd_us": 120.0, "fwd_synced_us": 180.0},
+        {
+            "entry": "silu_mul",
+            "inputs": "16x4096",
+            "variant": "ours",
+            "fwd_us": 50.0,
+            "fwd_synced_us": 51.0,
+            "fwd_bwd_us": 200.0,
+            "fwd_bwd_synced_us": 201.0,
+        },
+        {
+            "entry": "silu_mul",
+            "inputs": "16x4096",
+            "variant": "eager",
+            "impl": "F.silu(a) * b",
+            "fwd_us": 25.0,
+            "fwd_synced_us": 25.0,
+            "fwd_bwd_us": 160.0,
+            "fwd_bwd_synced_us": 161.0,
+        },
+        {
+            "entry": "silu_mul",
+            "inputs": "16x4096",
+            "variant": "peer",
+            "fwd_us": 40.0,
+            "fwd_synced_us": 40.0,
+            "fwd_bwd_us": 220.0,
+            "fwd_bwd_synced_us": 221.0,
+        },
+        {
+            "entry": "LigerSwiGLUMLP",
+            "inputs": "decode, batch 1",
+            "variant": "ours",
+            "fwd_us": 90.0,
+            "fwd_synced_us": 180.0,
+        },
+        {
+            "entry": "LigerSwiGLUMLP",
+            "inputs": "decode, batch 1",
+            "variant": "eager",
+            "impl": "LlamaMLP.forward",
+            "fwd_us": 120.0,
+            "fwd_synced_us": 180.0,
+        },
         {"entry": "rms_norm", "inputs": "16x4096", "variant": "ours", "error": "RuntimeError: boom"},
-    ]  # fmt: skip
+    ]
     back_to_back = [
         {"op": "silu_mul", "shape": [8192, 4096], "variant": "ours", "fwd_pct": 88.6, "bwd_pct": 70.2},
         {"op": "silu_mul", "shape": [8192, 4096], "variant": "eager", "fwd_pct": 50.0, "bwd_pct": 49.6},
     ]
-    rotary = [{"op": "rotary", "shape": {"seq": 32768}, "layout": "separate", "variant": "liger-kernels",
-               "fwd_graph_pct": 91.23, "fwd_bytes": 123}]  # fmt: skip
+    rotary = [
+        {
+            "op": "rotary",
+            "shape": {"seq": 32768},
+            "layout": "separate",
+            "variant": "liger-kernels",
+            "fwd_graph_pct": 91.23,
+            "fwd_bytes": 123,
+        }
+    ]
     return {
         "device": "NVIDIA H200",
         "versions": {"torch": "2.11"},
@@ -191,8 +243,15 @@ def test_suite_smoke_on_cpu(lk, tmp_path, suite_module):
     every section, the host section covers the public entry points, and plot.py reads the JSON."""
     env = _plain_env()
     out = tmp_path / "smoke"
-    done = subprocess.run([sys.executable, str(SUITE / "bench_all.py"), "--device", "cpu", "--quick", "--out", str(out)],
-                          check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(SUITE / "bench_all.py"), "--device", "cpu", "--quick", "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "smoke.json").read_text())
     statuses = {name: s["status"] for name, s in results["sections"].items()}
@@ -260,10 +319,15 @@ def test_bench_all_model_section_gets_the_budget_left(suite_module, monkeypatch,
 def test_bench_all_calls_the_section_modules_as_they_are():
     """The run(...) of each section module takes the arguments bench_all.py passes (read from the sources, so
     that no module is imported here)."""
-    wanted = {"bench_model": {"budget_s", "device", "quick", "out_path"}, "bench_rms_norm": {"copy_bytes_per_s"},
-              "bench_rotary": {"copy_bytes_per_s", "device", "shape"}, "bench_flce": {"copy_bytes_per_s", "device"},
-              "bench_host": {"copy_bytes_per_s", "device", "quick"}, "bench_mlp": {"seqs", "device", "hidden"},
-              "bench_activations": {"copy_bytes_per_s", "sweep", "shapes", "device"}}  # fmt: skip
+    wanted = {
+        "bench_model": {"budget_s", "device", "quick", "out_path"},
+        "bench_rms_norm": {"copy_bytes_per_s"},
+        "bench_rotary": {"copy_bytes_per_s", "device", "shape"},
+        "bench_flce": {"copy_bytes_per_s", "device"},
+        "bench_host": {"copy_bytes_per_s", "device", "quick"},
+        "bench_mlp": {"seqs", "device", "hidden"},
+        "bench_activations": {"copy_bytes_per_s", "sweep", "shapes", "device"},
+    }
     for name, arguments in wanted.items():
         path = SUITE / f"{name}.py"
         if not path.exists():
@@ -285,8 +349,15 @@ def test_bench_all_output_paths(suite_module):
 def test_sass_count_reads_kernel_signatures(lk):
     """scripts/sass_count.py types each kernel argument from its name and fills every constexpr for every
     registry activation (--dry-run: no compile; the sm_90 compiles run offline with the plain command)."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_count.py"), "--dry-run"], check=False,
-                          capture_output=True, text=True, env=_plain_env(), cwd=ROOT, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "sass_count.py"), "--dry-run"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=_plain_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     phases = [line for line in lines if not line.startswith(" ")]
