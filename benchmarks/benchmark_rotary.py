@@ -43,8 +43,9 @@ class Rotary(Benchmark):
         return (q * cos + _rotate_half(q) * sin).to(self.dtype)
 
     def benchmark_backward(self):
-        grads = torch.autograd.grad((self.q_embed, self.k_embed), (self.q, self.k), (self.d_q, self.d_k),
-                                    retain_graph=True)  # fmt: skip
+        grads = torch.autograd.grad(
+            (self.q_embed, self.k_embed), (self.q, self.k), (self.d_q, self.d_k), retain_graph=True
+        )
         self.out = grads[0]
 
     def verify_backward(self):

@@ -117,8 +117,10 @@ def run(copy_bytes_per_s: float, sweep: bool = False, shapes=SHAPES, device: str
                     gated.BLOCK, gated.NUM_WARPS = default
                     timing.free(device)
                 rows_out.append({"op": op, "shape": [rows, cols], "impl": name, "dtype": "bfloat16", **row})
-                pct = {k: row.get(k, float("nan")) for k in ("fwd_graph_pct", "bwd_graph_pct", "fwd_launch_pct",
-                                                             "bwd_launch_pct")}  # fmt: skip
+                pct = {
+                    k: row.get(k, float("nan"))
+                    for k in ("fwd_graph_pct", "bwd_graph_pct", "fwd_launch_pct", "bwd_launch_pct")
+                }
                 print(
                     f"{op:<10} {rows}x{cols:<6} {name:<22} {pct['fwd_graph_pct']:6.1f} {pct['bwd_graph_pct']:6.1f}"
                     f"  ({pct['fwd_launch_pct']:5.1f} {pct['bwd_launch_pct']:5.1f})"

@@ -37,13 +37,33 @@ import timing
 
 DTYPE = torch.bfloat16
 FULL = {
-    "rows": 16, "hidden": 4096, "intermediate": 14336, "vocab": 2048, "heads": 32, "kv_heads": 8,
-    "head_dim": 128, "decode_batches": (1, 8), "calls": 300, "warmup": 50, "repeats": 5, "bandwidth": (8192, 4096),
-}  # fmt: skip
+    "rows": 16,
+    "hidden": 4096,
+    "intermediate": 14336,
+    "vocab": 2048,
+    "heads": 32,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "decode_batches": (1, 8),
+    "calls": 300,
+    "warmup": 50,
+    "repeats": 5,
+    "bandwidth": (8192, 4096),
+}
 QUICK = {
-    "rows": 4, "hidden": 64, "intermediate": 128, "vocab": 96, "heads": 4, "kv_heads": 2,
-    "head_dim": 16, "decode_batches": (1, 2), "calls": 4, "warmup": 1, "repeats": 2, "bandwidth": (8, 64),
-}  # fmt: skip
+    "rows": 4,
+    "hidden": 64,
+    "intermediate": 128,
+    "vocab": 96,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "decode_batches": (1, 2),
+    "calls": 4,
+    "warmup": 1,
+    "repeats": 2,
+    "bandwidth": (8, 64),
+}
 ROLES = ("ours", "eager", "peer")
 
 
@@ -117,13 +137,24 @@ def gated_entries(lk, cfg, device, peers):
     entries = [
         entry("silu_mul", lambda: lk.silu_mul(a, b), "F.silu(a) * b", silu, peer_silu),
         entry("gelu_mul", lambda: lk.gelu_mul(a, b), "F.gelu(a, 'tanh') * b", gelu_tanh, peer_gelu),
-        entry('gelu_mul(approximate="none")', lambda: lk.gelu_mul(a, b, "none"), "F.gelu(a) * b",
-              lambda: F.gelu(a) * b, None),
-        entry("LigerSiLUMulFunction.apply", lambda: lk.LigerSiLUMulFunction.apply(a, b), "F.silu(a) * b", silu,
-              peer_silu),
-        entry("LigerGELUMulFunction.apply", lambda: lk.LigerGELUMulFunction.apply(a, b), "F.gelu(a, 'tanh') * b",
-              gelu_tanh, peer_gelu),
-    ]  # fmt: skip
+        entry(
+            'gelu_mul(approximate="none")',
+            lambda: lk.gelu_mul(a, b, "none"),
+            "F.gelu(a) * b",
+            lambda: F.gelu(a) * b,
+            None,
+        ),
+        entry(
+            "LigerSiLUMulFunction.apply", lambda: lk.LigerSiLUMulFunction.apply(a, b), "F.silu(a) * b", silu, peer_silu
+        ),
+        entry(
+            "LigerGELUMulFunction.apply",
+            lambda: lk.LigerGELUMulFunction.apply(a, b),
+            "F.gelu(a, 'tanh') * b",
+            gelu_tanh,
+            peer_gelu,
+        ),
+    ]
     for name, activation in lk.activations.REGISTRY.items():
         peer = peers.gated(name)
         entries.append(
@@ -151,8 +182,9 @@ def _gemma_mlp(cfg, device):
     from transformers import GemmaConfig
     from transformers.models.gemma.modeling_gemma import GemmaMLP
 
-    config = GemmaConfig(hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
-                         hidden_activation="gelu_pytorch_tanh")  # fmt: skip
+    config = GemmaConfig(
+        hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"], hidden_activation="gelu_pytorch_tanh"
+    )
     with torch.device(device):
         return GemmaMLP(config).to(DTYPE)
 
@@ -178,40 +210,101 @@ def mlp_entries(lk, cfg, device, peers):
 
     for batch in cfg["decode_batches"]:
         x = _randn((batch, 1, cfg["hidden"]), device, grad=False)
-        entries.append(entry("LigerSwiGLUMLP", f"decode, batch {batch}, LlamaMLP {size}", "inference", llama,
-                             bound(lk.LigerSwiGLUMLP, llama), peer_swiglu, x, None))  # fmt: skip
+        entries.append(
+            entry(
+                "LigerSwiGLUMLP",
+                f"decode, batch {batch}, LlamaMLP {size}",
+                "inference",
+                llama,
+                bound(lk.LigerSwiGLUMLP, llama),
+                peer_swiglu,
+                x,
+                None,
+            )
+        )
     x = _randn((1, 1, cfg["hidden"]), device, grad=False)
-    entries.append(entry("LigerGEGLUMLP", f"decode, batch 1, GemmaMLP {size}", "inference", gemma,
-                         bound(lk.LigerGEGLUMLP, gemma), peer_geglu, x, None))  # fmt: skip
+    entries.append(
+        entry(
+            "LigerGEGLUMLP",
+            f"decode, batch 1, GemmaMLP {size}",
+            "inference",
+            gemma,
+            bound(lk.LigerGEGLUMLP, gemma),
+            peer_geglu,
+            x,
+            None,
+        )
+    )
 
     tokens = (1, cfg["rows"], cfg["hidden"])
     x, d_out = _randn(tokens, device), _randn(tokens, device, grad=False)
     train = f"{cfg['rows']} tokens, LlamaMLP {size}"
-    entries.append(entry("LigerSwiGLUMLP", train, "train", llama, bound(lk.LigerSwiGLUMLP, llama), peer_swiglu,
-                         x, d_out))  # fmt: skip
+    entries.append(
+        entry("LigerSwiGLUMLP", train, "train", llama, bound(lk.LigerSwiGLUMLP, llama), peer_swiglu, x, d_out)
+    )
 
     def peer_tiled(fn):
         if peers.tiled is None or fn is None:
             return None
-        return lambda host, x: peers.tiled(fn=fn, mlp_module=host, x=x, num_shards=None,
-                                           compute_params=list(host.parameters()))  # fmt: skip
+        return lambda host, x: peers.tiled(
+            fn=fn, mlp_module=host, x=x, num_shards=None, compute_params=list(host.parameters())
+        )
 
-    entries.append(entry("LigerTiledSwiGLUMLP", train, "train", llama, bound(lk.LigerTiledSwiGLUMLP, llama),
-                         peer_tiled(peer_swiglu), x, d_out))  # fmt: skip
-    entries.append(entry("LigerTiledGEGLUMLP", f"{cfg['rows']} tokens, GemmaMLP {size}", "train", gemma,
-                         bound(lk.LigerTiledGEGLUMLP, gemma), peer_tiled(peer_geglu), x, d_out))  # fmt: skip
+    entries.append(
+        entry(
+            "LigerTiledSwiGLUMLP",
+            train,
+            "train",
+            llama,
+            bound(lk.LigerTiledSwiGLUMLP, llama),
+            peer_tiled(peer_swiglu),
+            x,
+            d_out,
+        )
+    )
+    entries.append(
+        entry(
+            "LigerTiledGEGLUMLP",
+            f"{cfg['rows']} tokens, GemmaMLP {size}",
+            "train",
+            gemma,
+            bound(lk.LigerTiledGEGLUMLP, gemma),
+            peer_tiled(peer_geglu),
+            x,
+            d_out,
+        )
+    )
 
     def host_forward(module, shard):  # any fn: the generic recompute, not the gated fast path
         return type(module).forward(module, shard)
 
-    entries.append(entry("apply_tiled_mlp(fn = the host's forward)", train, "train", llama,
-                         lambda x: lk.apply_tiled_mlp(host_forward, llama, x),
-                         peer_tiled(host_forward), x, d_out))  # fmt: skip
+    entries.append(
+        entry(
+            "apply_tiled_mlp(fn = the host's forward)",
+            train,
+            "train",
+            llama,
+            lambda x: lk.apply_tiled_mlp(host_forward, llama, x),
+            peer_tiled(host_forward),
+            x,
+            d_out,
+        )
+    )
 
     with torch.device(device):
         linear = torch.nn.Linear(cfg["hidden"], cfg["hidden"], bias=False).to(DTYPE)
-    entries.append(entry("LigerLinear", f"{cfg['rows']} tokens, Linear {cfg['hidden']}x{cfg['hidden']}", "train",
-                         linear, bound(lk.LigerLinear, linear), None, x, d_out))  # fmt: skip
+    entries.append(
+        entry(
+            "LigerLinear",
+            f"{cfg['rows']} tokens, Linear {cfg['hidden']}x{cfg['hidden']}",
+            "train",
+            linear,
+            bound(lk.LigerLinear, linear),
+            None,
+            x,
+            d_out,
+        )
+    )
     return entries
 
 
@@ -229,13 +322,22 @@ def rms_norm_entries(lk, cfg, device, peers):
     eager = ("LlamaRMSNorm.forward", lambda: host(x))
     peer_function = peers.rms_norm_function
     peer_fn = _variant("liger-kernel", peer_function and (lambda: peer_function.apply(x, weight, eps)))
-    entries = [Entry("rms_norm", shape, "train", {"ours": ("rms_norm", lambda: lk.rms_norm(x, weight, eps)),
-                                                  "eager": eager, "peer": peer_fn}, (x, weight), (d_out,))]  # fmt: skip
+    entries = [
+        Entry(
+            "rms_norm",
+            shape,
+            "train",
+            {"ours": ("rms_norm", lambda: lk.rms_norm(x, weight, eps)), "eager": eager, "peer": peer_fn},
+            (x, weight),
+            (d_out,),
+        )
+    ]
     function = getattr(lk, "LigerRMSNormFunction", None)
     if function is not None:
         ours = ("LigerRMSNormFunction.apply", lambda: function.apply(x, weight, eps))
-        entries.append(Entry(ours[0], shape, "train", {"ours": ours, "eager": eager, "peer": peer_fn}, (x, weight),
-                             (d_out,)))  # fmt: skip
+        entries.append(
+            Entry(ours[0], shape, "train", {"ours": ours, "eager": eager, "peer": peer_fn}, (x, weight), (d_out,))
+        )
     layer = getattr(lk, "LigerRMSNorm", None) or getattr(lk.layers, "LigerRMSNorm", None)
     if layer is not None:
         peer_module = None
@@ -243,8 +345,11 @@ def rms_norm_entries(lk, cfg, device, peers):
             with torch.device(device):
                 peer_module = peers.rms_norm_module(cfg["hidden"], eps=eps).to(DTYPE)
         forward = types.MethodType(layer.forward, host)
-        variants = {"ours": ("LigerRMSNorm", lambda: forward(x)), "eager": eager,
-                    "peer": _variant("liger-kernel", peer_module and (lambda: peer_module(x)))}  # fmt: skip
+        variants = {
+            "ours": ("LigerRMSNorm", lambda: forward(x)),
+            "eager": eager,
+            "peer": _variant("liger-kernel", peer_module and (lambda: peer_module(x))),
+        }
         leaves = (x, weight) + ((peer_module.weight,) if peer_module is not None else ())
         entries.append(Entry("LigerRMSNorm", f"{shape}, LlamaRMSNorm host", "train", variants, leaves, (d_out,)))
     return entries
@@ -285,35 +390,75 @@ def loss_entries(lk, cfg, device, peers):
         return out[0] if isinstance(out, (tuple, list)) else out
 
     entries = [
-        Entry("liger_fused_linear_cross_entropy", shape, "train", {
-            "ours": ("liger_fused_linear_cross_entropy", lambda: lk.liger_fused_linear_cross_entropy(x, weight, target)),
-            "eager": eager,
-            "peer": _variant("liger-kernel", peer_loss and (lambda: peer_loss(weight, x, target))),
-        }, (x, weight)),
-        Entry("LigerFusedLinearCrossEntropyFunction.apply", shape, "train", {
-            "ours": ("LigerFusedLinearCrossEntropyFunction.apply",
-                     lambda: first(lk.LigerFusedLinearCrossEntropyFunction.apply(x, weight, target))),
-            "eager": eager,
-            "peer": _variant("liger-kernel", peer_function and (lambda: first(peer_function.apply(x, weight, target)))),
-        }, (x, weight)),
-    ]  # fmt: skip
+        Entry(
+            "liger_fused_linear_cross_entropy",
+            shape,
+            "train",
+            {
+                "ours": (
+                    "liger_fused_linear_cross_entropy",
+                    lambda: lk.liger_fused_linear_cross_entropy(x, weight, target),
+                ),
+                "eager": eager,
+                "peer": _variant("liger-kernel", peer_loss and (lambda: peer_loss(weight, x, target))),
+            },
+            (x, weight),
+        ),
+        Entry(
+            "LigerFusedLinearCrossEntropyFunction.apply",
+            shape,
+            "train",
+            {
+                "ours": (
+                    "LigerFusedLinearCrossEntropyFunction.apply",
+                    lambda: first(lk.LigerFusedLinearCrossEntropyFunction.apply(x, weight, target)),
+                ),
+                "eager": eager,
+                "peer": _variant(
+                    "liger-kernel", peer_function and (lambda: first(peer_function.apply(x, weight, target)))
+                ),
+            },
+            (x, weight),
+        ),
+    ]
 
     logits = _randn((1, rows, vocab), device)
     labels = torch.randint(0, vocab, (1, rows), device=device)
     flat_target = labels.view(-1)
     peer_ce = peers.ce_loss() if peers.ce_loss is not None else None
-    entries.append(Entry("cross_entropy.cross_entropy", f"logits {rows}x{vocab}", "train", {
-        "ours": ("cross_entropy", lambda: lk.cross_entropy.cross_entropy(logits.view(rows, vocab), flat_target)),
-        "eager": ("F.cross_entropy(logits.float(), t)",
-                  lambda: F.cross_entropy(logits.view(rows, vocab).float(), flat_target)),
-        "peer": _variant("liger-kernel", peer_ce and (lambda: peer_ce(logits.view(rows, vocab), flat_target))),
-    }, (logits,)))  # fmt: skip
+    entries.append(
+        Entry(
+            "cross_entropy.cross_entropy",
+            f"logits {rows}x{vocab}",
+            "train",
+            {
+                "ours": (
+                    "cross_entropy",
+                    lambda: lk.cross_entropy.cross_entropy(logits.view(rows, vocab), flat_target),
+                ),
+                "eager": (
+                    "F.cross_entropy(logits.float(), t)",
+                    lambda: F.cross_entropy(logits.view(rows, vocab).float(), flat_target),
+                ),
+                "peer": _variant("liger-kernel", peer_ce and (lambda: peer_ce(logits.view(rows, vocab), flat_target))),
+            },
+            (logits,),
+        )
+    )
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    entries.append(Entry("LigerForCausalLMLoss", f"logits 1x{rows}x{vocab}", "train", {
-        "ours": ("LigerForCausalLMLoss", lambda: lk.LigerForCausalLMLoss(logits, labels, vocab)),
-        "eager": ("transformers ForCausalLMLoss", lambda: ForCausalLMLoss(logits, labels, vocab)),
-    }, (logits,)))  # fmt: skip
+    entries.append(
+        Entry(
+            "LigerForCausalLMLoss",
+            f"logits 1x{rows}x{vocab}",
+            "train",
+            {
+                "ours": ("LigerForCausalLMLoss", lambda: lk.LigerForCausalLMLoss(logits, labels, vocab)),
+                "eager": ("transformers ForCausalLMLoss", lambda: ForCausalLMLoss(logits, labels, vocab)),
+            },
+            (logits,),
+        )
+    )
     return entries
 
 
@@ -385,8 +530,11 @@ def _print_row(row):
     def us(key):
         return "–" if row.get(key) is None else f"{row[key]:.1f}"
 
-    text = row.get("error") or f"fwd {us('fwd_us')} ({us('fwd_synced_us')} synced)  fwd+bwd {us('fwd_bwd_us')} " \
-        f"({us('fwd_bwd_synced_us')} synced)"  # fmt: skip
+    text = (
+        row.get("error")
+        or f"fwd {us('fwd_us')} ({us('fwd_synced_us')} synced)  fwd+bwd {us('fwd_bwd_us')} "
+        f"({us('fwd_bwd_synced_us')} synced)"
+    )
     print(f"  {row['entry'][:40]:<40} {row['inputs'][:38]:<38} {row['variant']:<5} {text}")
 
 
@@ -398,13 +546,21 @@ def back_to_back_rows(copy_bytes_per_s: float, cfg, device, peers) -> list:
     a.requires_grad_(), b.requires_grad_()
     nbytes = a.numel() * a.element_size()
     ops = {
-        "silu_mul": {"ours": lk.silu_mul, "eager": lambda a, b: F.silu(a) * b,
-                     "peer": peers.silu_mul and peers.silu_mul.apply},
-        "gelu_mul": {"ours": lk.gelu_mul, "eager": lambda a, b: F.gelu(a, approximate="tanh") * b,
-                     "peer": peers.gelu_mul and peers.gelu_mul.apply},
-        'gelu_mul(approximate="none")': {"ours": lambda a, b: lk.gelu_mul(a, b, "none"),
-                                         "eager": lambda a, b: F.gelu(a) * b},
-    }  # fmt: skip
+        "silu_mul": {
+            "ours": lk.silu_mul,
+            "eager": lambda a, b: F.silu(a) * b,
+            "peer": peers.silu_mul and peers.silu_mul.apply,
+        },
+        "gelu_mul": {
+            "ours": lk.gelu_mul,
+            "eager": lambda a, b: F.gelu(a, approximate="tanh") * b,
+            "peer": peers.gelu_mul and peers.gelu_mul.apply,
+        },
+        'gelu_mul(approximate="none")': {
+            "ours": lambda a, b: lk.gelu_mul(a, b, "none"),
+            "eager": lambda a, b: F.gelu(a) * b,
+        },
+    }
     rows = []
     for op, variants in ops.items():
         for role, fn in variants.items():
@@ -430,8 +586,10 @@ def back_to_back_rows(copy_bytes_per_s: float, cfg, device, peers) -> list:
                 row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             holder.clear()
             rows.append(row)
-            print(f"  {op:<30} {role:<5} " + (row.get("error") or
-                  f"fwd {row.get('fwd_pct', 0):5.1f}%  bwd {row.get('bwd_pct', 0):5.1f}% of copy"))  # fmt: skip
+            print(
+                f"  {op:<30} {role:<5} "
+                + (row.get("error") or f"fwd {row.get('fwd_pct', 0):5.1f}%  bwd {row.get('bwd_pct', 0):5.1f}% of copy")
+            )
     timing.free(device)
     return rows
 

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timing
 
-H, I = 4096, 14336
+HIDDEN, INTERMEDIATE = 4096, 14336
 SEQS = (8192, 32768, 65536, 131072, 1048576)
 UNTILED_MAX_SEQ = 65536
 QUICK = {"hidden": 32, "intermediate": 64, "seqs": (64, 256), "untiled_max_seq": 64}
@@ -84,7 +84,11 @@ def measure(forward, x, d_out, host, device):
 
 
 def run(
-    seqs=SEQS, device: str = "cuda", hidden: int = H, intermediate: int = I, untiled_max_seq: int = UNTILED_MAX_SEQ
+    seqs=SEQS,
+    device: str = "cuda",
+    hidden: int = HIDDEN,
+    intermediate: int = INTERMEDIATE,
+    untiled_max_seq: int = UNTILED_MAX_SEQ,
 ) -> list:
     """One row per (S, implementation): ms per forward + backward and peak bytes above the step's start (None
     on the CPU). Past ``untiled_max_seq`` tokens only the tiled MLPs run."""
