@@ -214,7 +214,8 @@ def table(rows) -> str:
         return "–" if value is None else format(value, spec)
 
     lines = [
-        "| variant | fwd ms (graph / launch) | fwd+bwd ms (graph / launch) | host us fwd / fwd+bwd | peak GiB | TFLOP/s |",
+        "| variant | fwd ms (graph / launch) | fwd+bwd ms (graph / launch) | host us fwd / fwd+bwd "
+        "| peak GiB | TFLOP/s |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -33,6 +33,12 @@ def package():
     return liger_kernels
 
 
+def suite_settings() -> None:
+    """Room for every torch.compile variant: the suite compiles one eager function per op and runs it at several
+    shapes, with and without grad; past dynamo's default of 8 recompiles a function would silently run eager."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
 def quick_mode() -> None:
     """The smoke test's settings: torch.compile becomes a no-op (inductor's CPU compile takes minutes), so every
     torch.compile variant runs its eager function through the same code path; one CPU thread (tiny ops)."""
