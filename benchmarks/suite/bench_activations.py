@@ -136,6 +136,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, torch.compile off: a smoke test")
     args = parser.parse_args(argv)
+    timing.suite_settings()
     if args.quick:
         timing.quick_mode()
     copy = timing.copy_bytes_per_s(args.device, 2**20 if args.quick else 2**30)

@@ -1,6 +1,6 @@
 """The maintainers' benchmark suite in one run on the GPU. Writes OUT.json after every section (a run cut short
 keeps what it measured), then prints plot.py's tables and draws OUT.png when matplotlib is importable
-(plot.py redraws both from the JSON on any machine).
+(plot.py redraws both from the JSON on any machine, and merges the JSONs of runs of different sections).
 
     python benchmarks/suite/bench_all.py --out benchmarks/results/h200_DATE [--budget-s 570]
     python benchmarks/suite/bench_all.py --out /tmp/smoke --device cpu --quick      # smoke test, no GPU
@@ -12,14 +12,18 @@ Sections, in this order (``--sections`` picks some; ``--append`` adds them to an
   host         bench_host.py: host cost per call of every public entry point next to eager PyTorch and the
                peer; silu_mul / gelu_mul launched back to back at 8192 x 4096
   activations  bench_activations.py: every registry activation, % of copy (CUDA graphs and do_bench)
-  rms_norm     bench_rms_norm.py, when this checkout has it
+  rms_norm     bench_rms_norm.py (CUDA only)
   rotary       bench_rotary.py
   flce         bench_flce.py at --flce-tokens tokens
   mlp          bench_mlp.py: the Llama-8B MLP at --seqs, time and peak memory
-  model        bench_model.py, when present, given what is left of --budget-s (at most --model-budget-s)
+  model        bench_model.py, given what is left of --budget-s (at most --model-budget-s; skipped under 45 s
+               and with --quick, its own smoke test being bench_model.py --device cpu --quick); its progress
+               is also written to OUT_model.json as it goes. Run alone, it gets expandable segments.
 
 A section still to start after --budget-s seconds is skipped; each section's status and seconds are in
-OUT.json's "sections". One section failing is recorded there and the others still run.
+OUT.json's "sections". One section failing is recorded there and the others still run. On an H200 the
+sections before the model take about 8 minutes; to give the model its full budget, run it separately and
+merge: ``--sections model --out OUT_B``, then ``plot.py OUT.json OUT_B.json --out MERGED.json``.
 """
 
 import argparse

@@ -114,6 +114,17 @@ def _peer_mlp(function):
     return lambda module, x: module.down_proj(function.apply(module.gate_proj(x), module.up_proj(x)))
 
 
+def _instance(cls, *args, **kwargs):
+    """``cls(*args, **kwargs)``, or None (with a note) where the class is missing or its constructor fails."""
+    if cls is None:
+        return None
+    try:
+        return cls(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 (a peer built for another transformers)
+        print(f"(peer {getattr(cls, '__name__', cls)} not usable: {type(error).__name__}: {str(error)[:120]})")
+        return None
+
+
 def _variant(label, fn):
     return None if fn is None else (label, fn)
 
@@ -340,10 +351,9 @@ def rms_norm_entries(lk, cfg, device, peers):
         )
     layer = getattr(lk, "LigerRMSNorm", None) or getattr(lk.layers, "LigerRMSNorm", None)
     if layer is not None:
-        peer_module = None
-        if peers.rms_norm_module is not None:
-            with torch.device(device):
-                peer_module = peers.rms_norm_module(cfg["hidden"], eps=eps).to(DTYPE)
+        with torch.device(device):
+            peer_module = _instance(peers.rms_norm_module, cfg["hidden"], eps=eps)
+        peer_module = peer_module and peer_module.to(DTYPE)
         forward = types.MethodType(layer.forward, host)
         variants = {
             "ours": ("LigerRMSNorm", lambda: forward(x)),
@@ -383,7 +393,7 @@ def loss_entries(lk, cfg, device, peers):
     target = torch.randint(0, vocab, (rows,), device=device)
     shape = f"x {rows}x{hidden}, V {vocab}"
     eager = ("F.cross_entropy((x @ W.T).float(), t)", lambda: F.cross_entropy((x @ weight.T).float(), target))
-    peer_loss = peers.flce_loss() if peers.flce_loss is not None else None
+    peer_loss = _instance(peers.flce_loss)
     peer_function = peers.flce_function
 
     def first(out):
@@ -425,7 +435,7 @@ def loss_entries(lk, cfg, device, peers):
     logits = _randn((1, rows, vocab), device)
     labels = torch.randint(0, vocab, (1, rows), device=device)
     flat_target = labels.view(-1)
-    peer_ce = peers.ce_loss() if peers.ce_loss is not None else None
+    peer_ce = _instance(peers.ce_loss)
     entries.append(
         Entry(
             "cross_entropy.cross_entropy",
@@ -612,6 +622,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few calls: a smoke test")
     args = parser.parse_args(argv)
+    timing.suite_settings()
     if args.quick:
         timing.quick_mode()
     copy = timing.copy_bytes_per_s(args.device, 2**20 if args.quick else 2**30)

@@ -135,6 +135,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="a tiny MLP, torch.compile off: a smoke test")
     args = parser.parse_args(argv)
+    timing.suite_settings()
     if args.quick:
         timing.quick_mode()
         rows = run(QUICK["seqs"], args.device, QUICK["hidden"], QUICK["intermediate"], QUICK["untiled_max_seq"])
