@@ -265,7 +265,7 @@ def test_suite_smoke_on_cpu(lk, tmp_path, suite_module):
         else:
             assert status == "ok", (name, status)
     host = results["host"]["rows"]
-    assert not [row for row in host if "error" in row]
+    assert not [row for row in host if "error" in row and row["variant"] != "peer"]  # the peer's Triton needs a GPU
     entries = {row["entry"] for row in host}
     expected = {
         "silu_mul",
