@@ -1,11 +1,17 @@
-"""SASS instructions per element of the gated kernels, compiled offline for an sm_90 GPU (no GPU needed: Triton's
-bundled ptxas and cuobjdump do the work). The elementwise kernels are instruction-bound once the math is
-heavy (exact GELU); this counts what each activation costs.
+"""SASS instructions per element of the gated kernels, for every activation in the registry, compiled offline for
+an sm_90 GPU (no GPU needed: Triton's bundled ptxas and cuobjdump do the work). The elementwise kernels are
+instruction-bound once the math is heavy (exact GELU); this counts what each activation costs.
 
-    python scripts/sass_count.py [--block 2048] [--warps 4] [--strided]
+    python scripts/sass_count.py [--block 2048] [--warps 4] [--strided] [--dry-run]
+
+The kernels' signatures are read from their parameters: ``*_ptr`` arguments are bf16 pointers,
+``*_multiplier`` arguments fp32 scalars, the other runtime arguments (sizes, strides) i64, as the launchers in
+_gated.py pass them; the constexprs get the values below (an unknown one is an error, so that a new
+parameter is noticed here).
 """
 
 import argparse
+import inspect
 import os
 import subprocess
 import sys
@@ -16,36 +22,68 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch-ext"))
-from liger_kernels import _gated, geglu, swiglu  # noqa: E402
-
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def signature(backward: bool):
-    pointers = ["d_out_ptr", "gate_ptr", "up_ptr", "d_gate_ptr", "d_up_ptr", "out_ptr"] if backward else [
-        "gate_ptr", "up_ptr", "out_ptr"]  # fmt: skip
-    strides = ["d_out_row_stride", "gate_row_stride", "up_row_stride", "d_gate_row_stride", "d_up_row_stride"]
-    strides = strides if backward else ["gate_row_stride", "up_row_stride", "out_row_stride"]
-    sig = {p: "*bf16" for p in pointers}
-    sig.update({"n_cols": "i64", **{s: "i64" for s in strides}, "gate_multiplier": "fp32", "down_multiplier": "fp32"})
-    constexprs = ["ACTIVATION_AND_GRAD", "STORE_OUT"] if backward else ["ACTIVATION"]
-    sig.update({c: "constexpr" for c in constexprs + ["ONE_ROW", "BLOCK"]})
+def package():
+    """The package from this checkout's torch-ext/."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "torch-ext"))
+    import liger_kernels
+
+    return liger_kernels
+
+
+def kernels(lk) -> dict:
+    return {"forward": lk._gated._gated_forward_kernel, "backward": lk._gated._gated_backward_kernel}
+
+
+def parameters(kernel):
+    """(name, is_constexpr) of a @triton.jit function's parameters, from its Python signature."""
+    for param in inspect.signature(kernel.fn).parameters.values():
+        yield param.name, param.annotation in (triton.language.constexpr, "constexpr", "tl.constexpr")
+
+
+def signature(kernel) -> dict:
+    """{argument: Triton type} for ``kernel``'s parameters, in order."""
+    sig = {}
+    for name, is_constexpr in parameters(kernel):
+        if is_constexpr:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16"
+        elif name.endswith("_multiplier"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i64"
     return sig
 
 
-def sass_instructions(kernel, backward, activation, block, warps, one_row) -> int:
-    sig = signature(backward)
+def constexprs(kernel, activation, block: int, one_row: bool) -> dict:
+    """The constexpr values of one launch: the activation's math, the launch shape, no extra output."""
+    known = {
+        "ACTIVATION": activation.triton_value,
+        "ACTIVATION_AND_GRAD": activation.triton_value_and_grad,
+        "STORE_OUT": False,
+        "ONE_ROW": one_row,
+        "BLOCK": block,
+    }
+    names = [name for name, is_constexpr in parameters(kernel) if is_constexpr]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"{kernel.fn.__name__}: no value for the constexpr(s) {unknown}; add them to constexprs()")
+    return {n: known[n] for n in names}
+
+
+def sass_instructions(kernel, activation, block, warps, one_row) -> int:
+    sig = signature(kernel)
     names = list(sig)
     # What the launcher specializes at run time: 16-byte aligned pointers, sizes and strides divisible by 16.
-    aligned = [i for i, n in enumerate(names) if sig[n] == "*bf16" or sig[n] == "i64"]
-    constexprs = {"ONE_ROW": one_row, "BLOCK": block}
-    if backward:
-        constexprs.update(ACTIVATION_AND_GRAD=activation.triton_value_and_grad, STORE_OUT=False)
-    else:
-        constexprs.update(ACTIVATION=activation.triton_value)
+    aligned = [i for i, n in enumerate(names) if sig[n] in ("*bf16", "i64")]
     source = ASTSource(
-        fn=kernel, signature=sig, constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in aligned}
+        fn=kernel,
+        signature=sig,
+        constexprs=constexprs(kernel, activation, block, one_row),
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -59,18 +97,28 @@ def sass_instructions(kernel, backward, activation, block, warps, one_row) -> in
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--block", type=int, default=_gated.BLOCK)
-    parser.add_argument("--warps", type=int, default=_gated.NUM_WARPS)
+    parser.add_argument("--block", type=int, help="default: _gated.BLOCK")
+    parser.add_argument("--warps", type=int, help="default: _gated.NUM_WARPS")
     parser.add_argument("--strided", action="store_true", help="rows through a stride (ONE_ROW=False)")
+    parser.add_argument("--dry-run", action="store_true", help="print what would be compiled, compile nothing")
     args = parser.parse_args()
+    lk = package()
+    args.block, args.warps = args.block or lk._gated.BLOCK, args.warps or lk._gated.NUM_WARPS
     per_thread = args.block // (32 * args.warps)
+    if args.dry_run:
+        for phase, kernel in kernels(lk).items():
+            print(f"{phase}: {signature(kernel)}")
+            for name, activation in lk.activations.REGISTRY.items():
+                values = constexprs(kernel, activation, args.block, not args.strided)
+                print(f"  {name}: " + ", ".join(f"{k}={getattr(v, '__name__', v)}" for k, v in values.items()))
+        return
     print(f"BLOCK {args.block}, {args.warps} warps: {per_thread} elements per thread; SASS instructions per element")
-    for name, activation in (("silu", swiglu.SILU), ("gelu tanh", geglu.GELU_TANH), ("gelu exact", geglu.GELU_ERF)):
-        counts = [
-            sass_instructions(kernel, backward, activation, args.block, args.warps, not args.strided) / per_thread
-            for kernel, backward in ((_gated._gated_forward_kernel, False), (_gated._gated_backward_kernel, True))
-        ]
-        print(f"  {name:<11} forward {counts[0]:5.1f}   backward {counts[1]:5.1f}")
+    for name, activation in lk.activations.REGISTRY.items():
+        counts = {
+            phase: sass_instructions(kernel, activation, args.block, args.warps, not args.strided) / per_thread
+            for phase, kernel in kernels(lk).items()
+        }
+        print(f"  {name:<11} " + "   ".join(f"{phase} {count:5.1f}" for phase, count in counts.items()))
 
 
 if __name__ == "__main__":

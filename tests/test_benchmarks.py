@@ -1,7 +1,14 @@
-"""The `kernels benchmark` scripts run and verify, at small shapes on the CPU (the GPU runs the real ones)."""
+"""The benchmarks, without a GPU: the `kernels benchmark` scripts run and verify at small shapes on the CPU; the
+maintainers' suite runs end to end in its CPU smoke mode, and its tables compute the ratios they claim."""
 
+import ast
 import importlib.util
 import inspect
+import json
+import os
+import subprocess
+import sys
+import types
 
 import pytest
 import torch
@@ -10,25 +17,46 @@ from kernels.benchmark import Benchmark
 from harness import ROOT
 
 SCRIPTS = sorted((ROOT / "benchmarks").glob("benchmark*.py"))
-SMALL = {"rows": 64, "cols": 96, "seq": 200, "hidden": 32, "intermediate": 48}
+SUITE = ROOT / "benchmarks" / "suite"
+SMALL = {
+    "rows": 64,
+    "cols": 96,
+    "seq": 200,
+    "hidden": 32,
+    "intermediate": 48,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "tokens": 64,
+    "vocab": 100,
+}
+NEEDS = {"benchmark_rms_norm": "rms_norm"}  # scripts for ops that arrive from other branches
+
+
+def _load(path, name=None):
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def benchmark_classes():
     for script in SCRIPTS:
-        spec = importlib.util.spec_from_file_location(script.stem, script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = _load(script)
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if issubclass(cls, Benchmark) and cls is not Benchmark and cls.__module__ == script.stem:
-                yield pytest.param(cls, id=f"{script.stem}.{cls.__name__}")
+                yield pytest.param(script.stem, cls, id=f"{script.stem}.{cls.__name__}")
 
 
 def test_scripts_cover_every_op():
-    assert {s.stem for s in SCRIPTS} == {"benchmark_swiglu", "benchmark_geglu", "benchmark_mlp"}
+    expected = {"swiglu", "geglu", "mlp", "rms_norm", "rotary", "flce"}
+    assert {s.stem for s in SCRIPTS} == {f"benchmark_{op}" for op in expected}
 
 
-@pytest.mark.parametrize("cls", list(benchmark_classes()))
-def test_benchmark_workloads_verify(lk, cls):
+@pytest.mark.parametrize("script, cls", list(benchmark_classes()))
+def test_benchmark_workloads_verify(lk, script, cls):
+    if script in NEEDS and not hasattr(lk, NEEDS[script]):
+        pytest.skip(f"this build has no {NEEDS[script]}")
     small = type(cls.__name__, (cls,), {k: v for k, v in SMALL.items() if hasattr(cls, k)})
     workloads = [name[len("benchmark_") :] for name in dir(small) if name.startswith("benchmark_")]
     assert workloads
@@ -39,33 +67,306 @@ def test_benchmark_workloads_verify(lk, cls):
         getattr(instance, f"setup_{workload}", instance.setup)()
         getattr(instance, f"benchmark_{workload}")()
         verify = getattr(instance, f"verify_{workload}", None)
-        assert instance.out is not None
+        assert isinstance(instance.out, torch.Tensor), workload
         if verify is not None:
             ref = verify()
-            assert instance.out.shape == ref.shape and instance.out.dtype == ref.dtype
+            assert instance.out.shape == ref.shape and instance.out.dtype == ref.dtype, workload
             assert torch.allclose(instance.out, ref, atol=1e-2), workload
+            assert ref.abs().max() > 1e-2, f"{workload}: a reference this small makes atol=1e-2 vacuous"
 
 
-def test_plot_tables_use_issue_5_ratio_definition():
-    """benchmarks/plot.py: tiled ÷ the faster untiled MLP of the same S; past 65,536 tokens, ÷ the faster
-    untiled 65,536-token MLP times S / 65,536. The tables carry each figure and target."""
-    spec = importlib.util.spec_from_file_location("plot", ROOT / "benchmarks" / "plot.py")
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
-    rows = [
+def test_hub_scripts_import_nothing_from_the_repository():
+    for script in SCRIPTS:
+        imports = [line for line in script.read_text().splitlines() if line.startswith(("import ", "from "))]
+        assert all(line.split()[1].split(".")[0] in {"torch", "kernels", "types"} for line in imports), script
+
+
+# ----------------------------------------------------------------------------------------------------------
+# plot.py's tables, on a synthetic result
+
+
+def synthetic_results():
+    mlp = [
         {"seq": 65536, "impl": "fused", "ms": 100.0, "peak_bytes": 7 * 2**30},
         {"seq": 65536, "impl": "peer fused", "ms": 80.0, "peak_bytes": 7 * 2**30},
         {"seq": 65536, "impl": "tiled", "ms": 96.0, "peak_bytes": 2 * 2**30},
         {"seq": 131072, "impl": "tiled", "ms": 200.0, "peak_bytes": 3 * 2**30},
         {"seq": 8192, "impl": "tiled", "ms": 1.0, "peak_bytes": 0},
     ]
-    mlp = {(r["seq"], r["impl"]): r for r in rows}
+    activations = [
+        {"op": "silu", "shape": [8192, 4096], "impl": "liger-kernels", "fwd_graph_pct": 97.4, "bwd_graph_pct": 98.6},
+        {"op": "gelu", "shape": [4, 64], "impl": "eager", "fwd_graph_pct": 50.0, "bwd_graph_pct": 40.0},
+    ]
+    host = [
+        {
+            "entry": "silu_mul",
+            "inputs": "16x4096",
+            "variant": "ours",
+            "fwd_us": 50.0,
+            "fwd_synced_us": 51.0,
+            "fwd_bwd_us": 200.0,
+            "fwd_bwd_synced_us": 201.0,
+        },
+        {
+            "entry": "silu_mul",
+            "inputs": "16x4096",
+            "variant": "eager",
+            "impl": "F.silu(a) * b",
+            "fwd_us": 25.0,
+            "fwd_synced_us": 25.0,
+            "fwd_bwd_us": 160.0,
+            "fwd_bwd_synced_us": 161.0,
+        },
+        {
+            "entry": "silu_mul",
+            "inputs": "16x4096",
+            "variant": "peer",
+            "fwd_us": 40.0,
+            "fwd_synced_us": 40.0,
+            "fwd_bwd_us": 220.0,
+            "fwd_bwd_synced_us": 221.0,
+        },
+        {
+            "entry": "LigerSwiGLUMLP",
+            "inputs": "decode, batch 1",
+            "variant": "ours",
+            "fwd_us": 90.0,
+            "fwd_synced_us": 180.0,
+        },
+        {
+            "entry": "LigerSwiGLUMLP",
+            "inputs": "decode, batch 1",
+            "variant": "eager",
+            "impl": "LlamaMLP.forward",
+            "fwd_us": 120.0,
+            "fwd_synced_us": 180.0,
+        },
+        {"entry": "rms_norm", "inputs": "16x4096", "variant": "ours", "error": "RuntimeError: boom"},
+    ]
+    back_to_back = [
+        {"op": "silu_mul", "shape": [8192, 4096], "variant": "ours", "fwd_pct": 88.6, "bwd_pct": 70.2},
+        {"op": "silu_mul", "shape": [8192, 4096], "variant": "eager", "fwd_pct": 50.0, "bwd_pct": 49.6},
+    ]
+    rotary = [
+        {
+            "op": "rotary",
+            "shape": {"seq": 32768},
+            "layout": "separate",
+            "variant": "liger-kernels",
+            "fwd_graph_pct": 91.23,
+            "fwd_bytes": 123,
+        }
+    ]
+    return {
+        "device": "NVIDIA H200",
+        "versions": {"torch": "2.11"},
+        "ceilings": {"copy_bytes_per_s": 4.2e12, "gemm_tflops": 700.0},
+        "host": {"config": {"calls": 300, "warmup": 50, "repeats": 5}, "rows": host, "back_to_back": back_to_back},
+        "activations": activations,
+        "mlp": mlp,
+        "rotary": rotary,
+        "model": {"tokens_per_s": 1234.5, "steps": [{"step": 1, "ms": 10.0}]},
+        "sections": {"model": {"status": "ok", "seconds": 3.0}},
+    }
+
+
+@pytest.fixture
+def suite_module():
+    """Loads a suite module in this process, then takes the suite's modules and sys.path entry away again."""
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
+
+    def load(name):
+        return _load(SUITE / f"{name}.py", name)
+
+    yield load
+    sys.path[:] = saved_path
+    for name in set(sys.modules) - saved_modules:
+        if name in {"plot", "timing", "bench_all", "bench_model"}:
+            del sys.modules[name]
+
+
+def test_plot_tiled_ratio_definition(suite_module):
+    """Tiled ÷ the faster untiled MLP of the same S; past 65,536 tokens, ÷ the faster untiled 65,536-token MLP
+    times S / 65,536."""
+    plot = suite_module("plot")
+    mlp = {(r["seq"], r["impl"]): r for r in synthetic_results()["mlp"]}
     assert plot.tiled_ratio(mlp, 65536) == pytest.approx(96.0 / 80.0)
     assert plot.tiled_ratio(mlp, 131072) == pytest.approx(200.0 / (2 * 80.0))
     assert plot.tiled_ratio(mlp, 8192) is None  # no untiled run at that length
-    activations = {"copy_bytes_per_s": {"graph": 4e12, "launch": 4e12}, "rows": [
-        {"op": "swiglu", "shape": [8192, 4096], "impl": "liger-kernels", "fwd_graph_pct": 97.4, "bwd_graph_pct": 98.6}
-    ]}  # fmt: skip
-    text = plot.summary({"activations": activations, "mlp": {"gemm_tflops": 700.0, "rows": rows}})
-    assert "| swiglu | 8192×4096 | 97% / 99% | – | – | – | ≥80% |" in text
+
+
+def test_plot_host_ratio_definition(suite_module):
+    """Ours ÷ eager, per entry point and inputs, for the forward and for forward + backward."""
+    plot = suite_module("plot")
+    ratios = plot.host_ratios(synthetic_results()["host"]["rows"])
+    assert ratios[("silu_mul", "16x4096")] == pytest.approx((2.0, 1.25))
+    assert ratios[("LigerSwiGLUMLP", "decode, batch 1")] == (pytest.approx(0.75), None)  # inference: forward only
+    assert ratios[("rms_norm", "16x4096")] == (None, None)  # failed, no eager row
+
+
+def test_plot_tables(suite_module):
+    plot = suite_module("plot")
+    text = plot.summary(synthetic_results())
+    assert text.startswith("Copy bandwidth 4.2 TB/s; bf16 GEMM 700 TFLOP/s (NVIDIA H200; torch 2.11).")
+    assert "| silu | 8192×4096 | 97% / 99% | – | – | – | ≥80% |" in text
+    assert "| gelu | 4×64 | – | – | – | 50% / 40% | – |" in text  # a shape without a target
     assert "| 131,072 | – | – | – | – | 200.0 ms, 3.00 GiB | – | 1.250× | ≤1.20×, ≤3.23 GiB |" in text
+    assert "| `silu_mul` | 16x4096 | 50 / 200 | F.silu(a) * b | 25 / 160 | 40 / 220 | 2.00× / 1.25× |" in text
+    # synced time twice the host's: the GPU set the pace, marked
+    assert "| `LigerSwiGLUMLP` | decode, batch 1 | 90* / – | LlamaMLP.forward | 120* / – | – | 0.75× / – |" in text
+    assert "| `rms_norm` | 16x4096 | failed | – | – | – | – / – |" in text
+    assert "| `silu_mul` | 89% / 70% | 50% / 50% | – |" in text
+    assert "| rotary | seq 32768 | separate | liger-kernels | 91.2 |" in text  # generic table, bytes not shown
+    assert "| 1234 |" in text and "Model: steps" in text
+    assert "| model | ok | 3 |" in text
+
+
+def test_plot_reads_the_older_layout(suite_module):
+    plot = suite_module("plot")
+    results = json.loads((ROOT / "benchmarks" / "results" / "bench_all_h200_2026-11-29.json").read_text())
+    text = plot.summary(results)
+    assert "| silu | 32768×14336 | 104% / 102% |" in text  # "swiglu" then
+    assert "1,048,576" in text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The suite, end to end on the CPU
+
+
+def _plain_env():
+    """The environment without the test harness's backend settings: the scripts pick their own paths."""
+    return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LIGER_KERNELS_BACKEND")}
+
+
+def test_suite_smoke_on_cpu(lk, tmp_path, suite_module):
+    """bench_all.py --device cpu --quick: every section's code runs (tiny shapes, PyTorch path), the JSON holds
+    every section, the host section covers the public entry points, and plot.py reads the JSON."""
+    env = _plain_env()
+    out = tmp_path / "smoke"
+    done = subprocess.run(
+        [sys.executable, str(SUITE / "bench_all.py"), "--device", "cpu", "--quick", "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "smoke.json").read_text())
+    statuses = {name: s["status"] for name, s in results["sections"].items()}
+    bench_all = suite_module("bench_all")
+    assert list(statuses) == list(bench_all.SECTIONS)
+    for name, status in statuses.items():
+        if name == "model":
+            assert status.startswith("skipped"), status
+        elif name == "rms_norm":
+            assert status == "ok" or status.startswith("skipped"), status
+        else:
+            assert status == "ok", (name, status)
+    host = results["host"]["rows"]
+    assert not [row for row in host if "error" in row and row["variant"] != "peer"]  # the peer's Triton needs a GPU
+    entries = {row["entry"] for row in host}
+    expected = {
+        "silu_mul",
+        "gelu_mul",
+        "LigerSiLUMulFunction.apply",
+        "LigerGELUMulFunction.apply",
+        "LigerSwiGLUMLP",
+        "LigerTiledSwiGLUMLP",
+        "liger_rotary_pos_emb",
+        "liger_fused_linear_cross_entropy",
+    }
+    expected |= {f'gated_mul("{name}")' for name in lk.activations.REGISTRY}
+    expected |= {"rms_norm", "LigerRMSNorm"} if hasattr(lk, "rms_norm") else set()
+    assert expected <= entries
+    for row in host:
+        assert row["fwd_us"] > 0 and (row["mode"] == "inference") == ("fwd_bwd_us" not in row), row
+    assert {row["variant"] for row in host} >= {"ours", "eager"}
+    assert {row["op"] for row in results["activations"]} == set(lk.activations.REGISTRY)
+    assert {row["variant"] for row in results["host"]["back_to_back"]} >= {"ours", "eager"}
+    assert results["mlp"] and results["rotary"] and results["flce"]
+    text = suite_module("plot").summary(results)
+    assert "| `silu_mul` |" in text and "| ceilings | ok |" in text
+
+
+def test_bench_all_model_section_gets_the_budget_left(suite_module, monkeypatch, tmp_path):
+    """bench_model.run(budget_s, ...) gets what --budget-s leaves, at most --model-budget-s; with too little left
+    it is skipped, and a failing section is recorded, not raised."""
+    bench_all = suite_module("bench_all")
+    calls = []
+    fake = types.ModuleType("bench_model")
+    fake.run = lambda budget_s, **kwargs: calls.append((budget_s, kwargs)) or {"tokens_per_s": 1.0}
+    monkeypatch.setitem(sys.modules, "bench_model", fake)
+    monkeypatch.setitem(bench_all._PATHS, "json", tmp_path / "run.json")
+    args = bench_all.parse_args(["--out", "unused", "--device", "cpu", "--budget-s", "1000", "--model-budget-s", "300"])
+    results = {"sections": {}}
+    now = bench_all.time.perf_counter()
+    bench_all.run_section("model", args, results, now, args.budget_s)
+    assert results["model"] == {"tokens_per_s": 1.0} and results["sections"]["model"]["status"] == "ok"
+    assert calls == [(300.0, {"device": "cpu", "quick": False, "out_path": tmp_path / "run_model.json"})]
+    bench_all.run_section("model", args, results, now - 800, args.budget_s)  # 800 s gone: 185 s left
+    assert calls[-1][0] == pytest.approx(185.0, abs=1.0)
+    bench_all.run_section("model", args, results, now - 990, args.budget_s)
+    assert len(calls) == 2 and results["sections"]["model"]["status"].startswith("skipped")
+    bench_all.run_section("flce", args, results, now - 2000, args.budget_s)
+    assert results["sections"]["flce"]["status"].startswith("skipped")
+    fake.run = lambda budget_s, **kwargs: 1 / 0
+    bench_all.run_section("model", args, results, now, args.budget_s)
+    assert results["sections"]["model"]["status"].startswith("failed: ZeroDivisionError")
+
+
+def test_bench_all_calls_the_section_modules_as_they_are():
+    """The run(...) of each section module takes the arguments bench_all.py passes (read from the sources, so
+    that no module is imported here)."""
+    wanted = {
+        "bench_model": {"budget_s", "device", "quick", "out_path"},
+        "bench_rms_norm": {"copy_bytes_per_s"},
+        "bench_rotary": {"copy_bytes_per_s", "device", "shape"},
+        "bench_flce": {"copy_bytes_per_s", "device"},
+        "bench_host": {"copy_bytes_per_s", "device", "quick"},
+        "bench_mlp": {"seqs", "device", "hidden"},
+        "bench_activations": {"copy_bytes_per_s", "sweep", "shapes", "device"},
+    }
+    for name, arguments in wanted.items():
+        path = SUITE / f"{name}.py"
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text())
+        run = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "run")
+        assert arguments <= {a.arg for a in run.args.args + run.args.kwonlyargs}, name
+
+
+def test_bench_all_output_paths(suite_module):
+    bench_all = suite_module("bench_all")
+    assert bench_all.output_paths(ROOT / "r" / "h200_v2.1") == (
+        ROOT / "r" / "h200_v2.1.json",
+        ROOT / "r" / "h200_v2.1.png",
+    )
+    assert bench_all.output_paths(ROOT / "r" / "x.json") == (ROOT / "r" / "x.json", ROOT / "r" / "x.png")
+
+
+def test_sass_count_reads_kernel_signatures(lk):
+    """scripts/sass_count.py types each kernel argument from its name and fills every constexpr for every
+    registry activation (--dry-run: no compile; the sm_90 compiles run offline with the plain command)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "sass_count.py"), "--dry-run"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=_plain_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    phases = [line for line in lines if not line.startswith(" ")]
+    assert [p.split(":")[0] for p in phases] == ["forward", "backward"]
+    for phase in phases:
+        assert "'gate_ptr': '*bf16'" in phase and "'n_cols': 'i64'" in phase and "'BLOCK': 'constexpr'" in phase
+        assert "'gate_multiplier': 'fp32'" in phase
+    for name in lk.activations.REGISTRY:
+        assert len([line for line in lines if line.startswith(f"  {name}: ")]) == 2, name
+    assert sum("ACTIVATION_AND_GRAD=" in line and "STORE_OUT=False" in line for line in lines) == len(
+        lk.activations.REGISTRY
+    )

@@ -4,6 +4,7 @@ over the non-ignored tokens), forward and forward + backward, for this package, 
 ``LigerFusedLinearCrossEntropyLoss`` when its wheel is importable.
 
     python benchmarks/suite/bench_flce.py --out flce.json [--tokens 32768]
+    python benchmarks/suite/bench_flce.py --device cpu --quick     # smoke test of the code, no GPU
 
 Per variant:
 - ``*_graph_ms``: GPU time per call from CUDA-graph replays of 20 captured calls (no host cost). A variant
@@ -13,6 +14,7 @@ Per variant:
 - ``peak_gib``: peak memory allocated during forward + backward beyond what was allocated before (the
   gradients of x and W included), and ``tflops``: the three GEMMs (6 N H V flops) per fwd+bwd graph time.
 The ceilings measured in the same run: a 1 GiB device copy (bytes/s) and a bf16 8192^3 GEMM (TFLOP/s).
+On the CPU (the smoke test) the timings are wall-clock, back to back, and graphs, peaks and ceilings are None.
 """
 
 import argparse
@@ -27,11 +29,15 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import liger_kernels as lk
+import timing
 
 N, H, V = 32768, 4096, 128256
 GRAPH_CALLS = 20
 TINY = (64, 64, 256)
+HOST_CALLS, HOST_WARMUP = 300, 50  # read per call (the smoke test lowers them)
+QUICK = (48, 32, 80)
 
 
 def synchronizes(fn) -> bool:
@@ -115,36 +121,36 @@ def variants():
     return found
 
 
-def inputs(n, hidden, vocab):
+def inputs(n, hidden, vocab, device="cuda"):
     torch.manual_seed(0)
-    x = (torch.randn(n, hidden, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_()
-    weight = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16).requires_grad_()
-    target = torch.randint(0, vocab, (n,), device="cuda")
+    x = (torch.randn(n, hidden, device=device) * 0.5).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(vocab, hidden, device=device) / hidden**0.5).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, vocab, (n,), device=device)
     target[::8] = -100
     return x, weight, target
 
 
-def host_us(loss_fn, backward):
-    x, weight, target = inputs(*TINY)
+def host_us(loss_fn, backward, device="cuda"):
+    x, weight, target = inputs(*TINY, device=device)
 
     def call():
         loss = loss_fn(x, weight, target)
         if backward:
             torch.autograd.grad(loss, (x, weight))
 
-    for _ in range(50):
+    for _ in range(HOST_WARMUP):
         call()
-    torch.cuda.synchronize()
+    timing.sync(device)
     start = time.perf_counter()
-    for _ in range(300):
+    for _ in range(HOST_CALLS):
         call()
     elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / 300 * 1e6
+    timing.sync(device)
+    return elapsed / HOST_CALLS * 1e6
 
 
-def measure(loss_fn, n, hidden, vocab):
-    x, weight, target = inputs(n, hidden, vocab)
+def measure(loss_fn, n, hidden, vocab, device="cuda"):
+    x, weight, target = inputs(n, hidden, vocab, device)
 
     def forward():
         return loss_fn(x, weight, target)
@@ -153,6 +159,14 @@ def measure(loss_fn, n, hidden, vocab):
         return torch.autograd.grad(loss_fn(x, weight, target), (x, weight))
 
     row = {}
+    if device != "cuda":  # the smoke test: every code path, wall-clock timings
+        row.update(peak_gib=None, fwd_graph_ms=None, fwdbwd_graph_ms=None)
+        row["fwd_launch_ms"] = timing.back_to_back_ms(forward, device, repeats=2)
+        row["fwdbwd_launch_ms"] = timing.back_to_back_ms(forward_backward, device, repeats=2)
+        row["tflops"] = 6 * n * hidden * vocab / (row["fwdbwd_launch_ms"] * 1e-3) / 1e12
+        row["fwd_host_us"] = host_us(loss_fn, False, device)
+        row["fwdbwd_host_us"] = host_us(loss_fn, True, device)
+        return row
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -174,24 +188,24 @@ def measure(loss_fn, n, hidden, vocab):
     return row
 
 
-def run(copy_bytes_per_s: float, n: int = N, hidden: int = H, vocab: int = V) -> list:
+def run(copy_bytes_per_s: float, n: int = N, hidden: int = H, vocab: int = V, device: str = "cuda") -> list:
     """One row per variant: op, shape, variant, timings (ms), host cost (us), peak GiB, TFLOP/s and the share
     of the measured bf16 GEMM peak. (The op is GEMM-bound: the copy ceiling is recorded, not divided by.)"""
-    peak = gemm_tflops()
+    peak = gemm_tflops() if device == "cuda" else None
     rows = []
     for name, loss_fn in variants().items():
         print(f"  {name} ...", flush=True)
         try:
-            row = measure(loss_fn, n, hidden, vocab)
+            row = measure(loss_fn, n, hidden, vocab, device)
         except Exception as error:  # noqa: BLE001  (one variant failing, e.g. out of memory, keeps the others)
             print(f"  {name}: failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
             rows.append({"op": "flce", "shape": [n, hidden, vocab], "variant": name, "error": repr(error)[:500]})
-            torch.cuda.empty_cache()
+            timing.free(device)
             continue
         row.update(op="flce", shape=[n, hidden, vocab], variant=name, gemm_tflops=peak,
-                   pct_gemm=100 * row["tflops"] / peak, copy_bytes_per_s=copy_bytes_per_s)  # fmt: skip
+                   pct_gemm=peak and 100 * row["tflops"] / peak, copy_bytes_per_s=copy_bytes_per_s)  # fmt: skip
         rows.append(row)
-        torch.cuda.empty_cache()
+        timing.free(device)
     return rows
 
 
@@ -200,7 +214,8 @@ def table(rows) -> str:
         return "–" if value is None else format(value, spec)
 
     lines = [
-        "| variant | fwd ms (graph / launch) | fwd+bwd ms (graph / launch) | host us fwd / fwd+bwd | peak GiB | TFLOP/s |",
+        "| variant | fwd ms (graph / launch) | fwd+bwd ms (graph / launch) | host us fwd / fwd+bwd "
+        "| peak GiB | TFLOP/s |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -210,23 +225,32 @@ def table(rows) -> str:
         lines.append(
             f"| {r['variant']} | {fmt(r['fwd_graph_ms'], '.1f')} / {r['fwd_launch_ms']:.1f} "
             f"| {fmt(r['fwdbwd_graph_ms'], '.1f')} / {r['fwdbwd_launch_ms']:.1f} "
-            f"| {r['fwd_host_us']:.0f} / {r['fwdbwd_host_us']:.0f} | {r['peak_gib']:.2f} | {r['tflops']:.0f} |"
+            f"| {r['fwd_host_us']:.0f} / {r['fwdbwd_host_us']:.0f} | {fmt(r['peak_gib'], '.2f')} | {r['tflops']:.0f} |"
         )
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--tokens", type=int, default=N)
-    args = parser.parse_args()
-    ceiling = copy_bytes_per_s()
-    print(f"{torch.cuda.get_device_name()}: copy {ceiling / 1e12:.2f} TB/s; FLCE N {args.tokens}, H {H}, V {V}, bf16")
-    rows = run(ceiling, n=args.tokens)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on the device given: a smoke test")
+    args = parser.parse_args(argv)
+    if args.quick:
+        timing.quick_mode()
+        global HOST_CALLS, HOST_WARMUP
+        HOST_CALLS, HOST_WARMUP = 5, 1
+    cuda = args.device == "cuda"
+    ceiling = copy_bytes_per_s() if cuda else 0.0
+    n, hidden, vocab = QUICK if args.quick else (args.tokens, H, V)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"{name}: copy {ceiling / 1e12:.2f} TB/s; FLCE N {n}, H {hidden}, V {vocab}, bf16")
+    rows = run(ceiling, n, hidden, vocab, args.device)
     print(table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+        args.out.write_text(json.dumps({"device": name, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

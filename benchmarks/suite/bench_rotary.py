@@ -38,12 +38,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "torch-ext"))
-import liger_kernels as lk
+import liger_kernels as lk  # noqa: E402
 
 SHAPE = {"batch": 1, "seq": 32768, "n_q": 32, "n_k": 8, "dim": 128}
 HOST_SHAPE = {"batch": 1, "seq": 16, "n_q": 4, "n_k": 2, "dim": 64}
 LAYOUTS = ("separate", "fused_qkv")
 GRAPH_CALLS = 20
+HOST_CALLS, HOST_WARMUP = 300, 50  # host_us's defaults, read per call (the smoke test lowers them)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -155,7 +156,8 @@ def eager_ms(fn, device, repeats=15):
     return statistics.median(times)
 
 
-def host_us(fn, device, calls=300, warmup=50):
+def host_us(fn, device, calls=None, warmup=None):
+    calls, warmup = calls or HOST_CALLS, warmup or HOST_WARMUP
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -216,11 +218,10 @@ def measure(fn, layout, shape, device):
     row["peak_gib"] = peak_gib(fn, q, k, cos, sin, device)
     del q, k, cos, sin, forward, backward
     tq, tk, tcos, tsin = make_inputs(layout, **HOST_SHAPE, device=device)
-    d_q, d_k = torch.randn(tq.shape, device=device, dtype=tq.dtype), torch.randn(tk.shape, device=device, dtype=tk.dtype)
+    d_q = torch.randn(tq.shape, device=device, dtype=tq.dtype)
+    d_k = torch.randn(tk.shape, device=device, dtype=tk.dtype)
     row["host_fwd_us"] = host_us(lambda: fn(tq, tk, tcos, tsin), device)
-    row["host_fwd_bwd_us"] = host_us(
-        lambda: torch.autograd.grad(fn(tq, tk, tcos, tsin), (tq, tk), (d_q, d_k)), device
-    )
+    row["host_fwd_bwd_us"] = host_us(lambda: torch.autograd.grad(fn(tq, tk, tcos, tsin), (tq, tk), (d_q, d_k)), device)
     return row
 
 
@@ -273,7 +274,8 @@ def table(rows) -> str:
         ("graph fwd %", "fwd_graph_pct", ".1f"), ("graph bwd %", "bwd_graph_pct", ".1f"),
         ("eager fwd ms", "fwd_eager_ms", ".3f"), ("eager bwd ms", "bwd_eager_ms", ".3f"),
         ("eager fwd %", "fwd_eager_pct", ".1f"), ("eager bwd %", "bwd_eager_pct", ".1f"),
-        ("peak GiB", "peak_gib", ".2f"), ("host fwd us", "host_fwd_us", ".1f"), ("host f+b us", "host_fwd_bwd_us", ".1f"),
+        ("peak GiB", "peak_gib", ".2f"), ("host fwd us", "host_fwd_us", ".1f"),
+        ("host f+b us", "host_fwd_bwd_us", ".1f"),
     ]  # fmt: skip
     lines = [" ".join([f"{'layout':<10}", f"{'variant':<20}", *(f"{title:>12}" for title, _, _ in columns)])]
     for r in rows:

@@ -1,0 +1,150 @@
+"""Llama-8B MLP (H 4096, I 14336, bf16, batch 1), forward + backward, on the GPU: time and extra peak memory
+over what was allocated before the step (weight and input gradients included), for eager PyTorch,
+torch.compile of it, this package's fused and tiled layers, and the peer liger-kernel's (when its wheel is
+importable). Beyond 65,536 tokens only the tiled MLPs run (the point of tiling).
+
+    python benchmarks/suite/bench_mlp.py [--seqs 8192,32768,65536,131072,1048576] [--out OUT.json]
+    python benchmarks/suite/bench_mlp.py --device cpu --quick     # smoke test of the code, no GPU
+
+The tiled/untiled ratio is against the faster untiled MLP in the same run (this package's or the peer's).
+"""
+
+import argparse
+import json
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import timing
+
+HIDDEN, INTERMEDIATE = 4096, 14336
+SEQS = (8192, 32768, 65536, 131072, 1048576)
+UNTILED_MAX_SEQ = 65536
+QUICK = {"hidden": 32, "intermediate": 64, "seqs": (64, 256), "untiled_max_seq": 64}
+
+
+class Host(torch.nn.Module):
+    """The Llama MLP's form, as kernelize finds it: the layers' forwards are bound to this module."""
+
+    def __init__(self, hidden, intermediate):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def implementations(host):
+    lk = timing.package()
+    impls = {"eager": host.forward, "torch.compile": torch.compile(host.forward)}
+    for name, layer in (("fused", lk.LigerSwiGLUMLP), ("tiled", lk.LigerTiledSwiGLUMLP)):
+        impls[name] = types.MethodType(layer.forward, host)
+    peer_silu_mul = timing.peer("liger_kernel.ops:LigerSiLUMulFunction")
+    peer_tiled = timing.peer("liger_kernel.ops:apply_tiled_mlp")
+    if peer_silu_mul is not None:
+
+        def peer_mlp(module, x):
+            return module.down_proj(peer_silu_mul.apply(module.gate_proj(x), module.up_proj(x)))
+
+        impls["peer fused"] = lambda x: peer_mlp(host, x)
+        if peer_tiled is not None:
+            impls["peer tiled"] = lambda x: peer_tiled(
+                fn=peer_mlp, mlp_module=host, x=x, num_shards=None, compute_params=list(host.parameters())
+            )
+    return impls
+
+
+def step(forward, x, d_out, host):
+    out = forward(x)
+    out.backward(d_out)
+    x.grad = None
+    for p in host.parameters():
+        p.grad = None
+
+
+def measure(forward, x, d_out, host, device):
+    cuda = torch.device(device).type == "cuda"
+    peak = None
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step(forward, x, d_out, host)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    # At least ~1 s of steps after 100 ms of warm-up: the GPU settles at its sustained clocks (NOTES.md §6).
+    ms = timing.launch_ms(lambda: step(forward, x, d_out, host), device, rep=1000, warmup=100)
+    return ms, peak
+
+
+def run(
+    seqs=SEQS,
+    device: str = "cuda",
+    hidden: int = HIDDEN,
+    intermediate: int = INTERMEDIATE,
+    untiled_max_seq: int = UNTILED_MAX_SEQ,
+) -> list:
+    """One row per (S, implementation): ms per forward + backward and peak bytes above the step's start (None
+    on the CPU). Past ``untiled_max_seq`` tokens only the tiled MLPs run."""
+    torch.manual_seed(0)
+    host = Host(hidden, intermediate).to(device, torch.bfloat16)
+    rows = []
+    print(f"{'S':>8} {'impl':<13} {'ms':>9} {'peak GiB':>9} {'TFLOP/s (9 units)':>18}")
+    impls = implementations(host)
+    for seq in seqs:
+        x = torch.randn(1, seq, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+        d_out = torch.randn(1, seq, hidden, device=device, dtype=torch.bfloat16)
+        flops = 2 * seq * hidden * intermediate * 9  # 3 GEMMs forward, 6 backward
+        timings = {}
+        for name, forward in impls.items():
+            if seq > untiled_max_seq and "tiled" not in name:
+                continue
+            try:
+                ms, peak = measure(forward, x, d_out, host, device)
+            except torch.OutOfMemoryError:
+                print(f"{seq:>8} {name:<13} out of memory")
+                timing.free(device)
+                continue
+            except Exception as error:  # noqa: BLE001 (one implementation failing must not lose the others)
+                print(f"{seq:>8} {name:<13} failed: {type(error).__name__}: {str(error)[:200]}")
+                timing.free(device)
+                continue
+            timings[name] = ms
+            rows.append({"seq": seq, "impl": name, "ms": ms, "peak_bytes": peak})
+            peak_text = "–" if peak is None else f"{peak / 2**30:.2f}"
+            print(f"{seq:>8} {name:<13} {ms:9.2f} {peak_text:>9} {flops / (ms * 1e-3) / 1e12:18.0f}")
+            timing.free(device)
+        untiled = [timings[k] for k in ("fused", "peer fused") if k in timings]
+        if untiled and "tiled" in timings:
+            print(f"{seq:>8} tiled / faster untiled = {timings['tiled'] / min(untiled):.3f}")
+        del x, d_out
+        timing.free(device)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqs", default=",".join(map(str, SEQS)))
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--quick", action="store_true", help="a tiny MLP, torch.compile off: a smoke test")
+    args = parser.parse_args(argv)
+    timing.suite_settings()
+    if args.quick:
+        timing.quick_mode()
+        rows = run(QUICK["seqs"], args.device, QUICK["hidden"], QUICK["intermediate"], QUICK["untiled_max_seq"])
+    else:
+        rows = run([int(s) for s in args.seqs.split(",")], args.device)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": args.device, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
