@@ -413,8 +413,8 @@ class Bench:
         for variant in variants:
             fits = [r["S"] for r in rows if r["variant"] == variant and r["status"] == "ok"]
             lo = max(fits) if fits else None
-            ooms = [r["S"] for r in rows if r["variant"] == variant and r["status"] == "oom" and (lo is None or
-                                                                                                   r["S"] > lo)]  # fmt: skip
+            mine = [r for r in rows if r["variant"] == variant and r["status"] == "oom"]
+            ooms = [r["S"] for r in mine if lo is None or r["S"] > lo]
             state[variant] = {"max_S": lo, "oom_at": min(ooms) if ooms else None, "attempts": [], "done": False}
 
         def candidate(s):
