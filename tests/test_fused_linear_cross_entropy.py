@@ -584,3 +584,15 @@ def test_cuda_compiled_equals_eager(lk):
         # the same op body; the scaling by d_loss = 1 happens before or after the cast to bf16: one rounding apart
         assert rel_err(g, w) < torch.finfo(torch.bfloat16).eps
     torch._dynamo.reset()
+
+
+def test_vmap_is_a_clear_error(lk):
+    """Per-sample gradients through vmap: the rows are masked by target, which vmap cannot batch; the error says
+    so (torch.func.grad alone works)."""
+    x, w, t = torch.randn(2, 3, 4), torch.randn(7, 4), torch.randint(0, 7, (2, 3))
+    f = torch.func.grad(lambda w_, x_, t_: lk.liger_fused_linear_cross_entropy(x_, w_, t_))
+    with pytest.raises(NotImplementedError, match="liger-kernels cross-entropy: torch.func.vmap is not supported"):
+        torch.func.vmap(f, (None, 0, 0))(w, x, t)
+    got = f(w, x[0], t[0])
+    want = torch.func.grad(lambda w_: torch.nn.functional.cross_entropy(x[0] @ w_.T, t[0]))(w)
+    assert rel_err(got, want) < 1e-6

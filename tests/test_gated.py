@@ -271,3 +271,18 @@ def test_torch_func_transforms(lk, op, backend_name):
     want = torch.func.jacrev(reference, argnums=(0, 1))(a[0, 0].double(), b[0, 0].double())
     for g, w in zip(got, want):
         assert rel_err(g, w) < bound
+
+
+def test_in_place_backward_refuses_self_overlapping_buffers(lk, backend_name):
+    """Expanded (stride-0) views of a non-leaf: several elements share one memory location, so gradients go to
+    fresh tensors."""
+    dtype = torch.float64 if backend_name == "torch" else torch.float32
+    base = torch.randn(1, 40, dtype=dtype, requires_grad=True)
+    other = torch.randn(4, 40, dtype=dtype, requires_grad=True)
+    gate, up = (base * 1.0).expand(4, 40), other * 1.0
+    d_base, d_other = torch.autograd.grad(lk.silu_mul(gate, up, 1.0, 1.0, True).sum(), (base, other))
+    ref_base, ref_other = base.detach().double().requires_grad_(), other.detach().double().requires_grad_()
+    want = torch.autograd.grad(
+        (torch.nn.functional.silu(ref_base.expand(4, 40)) * ref_other).sum(), (ref_base, ref_other)
+    )
+    assert rel_err(d_base, want[0]) < 1e-6 and rel_err(d_other, want[1]) < 1e-6

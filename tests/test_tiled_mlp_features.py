@@ -165,8 +165,8 @@ def test_backward_hooks_on_projections_fire_as_in_the_plain_module(lk, hook):
 
 
 def test_forward_hooks_on_projections_keep_the_gradients_exact(lk):
-    """A forward hook that changes a projection's output (activation steering) is applied in the forward and in
-    the recompute alike: the gradients stay exact."""
+    """A forward hook that changes a projection's output (activation steering): the call runs untiled, so the
+    hook fires once, as in the plain module, and the gradients are exact."""
     host = llama_mlp()
     x, d_out = inputs()
     results = []
@@ -351,3 +351,99 @@ def test_phi3_fused_gate_up_host(lk, layer, name):
         got = grads_of(module, x, d_out)
     want = grads_of(plain, x, d_out)
     assert_same(got, want, 1e-12 if dtype == torch.float64 else 1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# State carried from call to call, and what the host's own modules do.
+
+
+@pytest.mark.parametrize("layer", ["LigerSwiGLUMLP", "LigerTiledSwiGLUMLP"])
+def test_hooks_on_the_activation_module_fire_as_in_the_plain_module(lk, layer):
+    """A hook on the host's act_fn (reading, ablating or steering neurons) sees the activation called once and
+    its change is kept: the layer runs the host's own forward then."""
+    host = llama_mlp()
+    x, d_out = inputs()
+    results = []
+    for module in (bind(getattr(lk, layer), copy.deepcopy(host)), copy.deepcopy(host)):
+        calls = []
+        module.act_fn.register_forward_hook(lambda mod, args, out, calls=calls: calls.append(1) or out * 0.5)
+        results.append((grads_of(module, x, d_out), len(calls)))
+    (got, got_calls), (want, want_calls) = results
+    assert got_calls == want_calls == 1  # grads_of calls the module once
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("path", ["fast", "generic"])
+def test_a_weight_changed_in_place_before_backward_raises_as_in_the_plain_module(lk, path):
+    """An optimizer or EMA step between forward and backward: autograd's own error, as for the plain module's
+    saved weights, never gradients silently computed with the new values."""
+    module = bind(lk.LigerTiledSwiGLUMLP, llama_mlp())
+    module.num_shards = 3
+    if path == "generic":
+        module.up_proj.weight.requires_grad_(False)  # a frozen up_proj, not delivered: the generic recompute
+    x, _ = inputs()
+    out = module(x.requires_grad_())
+    with torch.no_grad():
+        module.gate_proj.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["parametrizations.spectral_norm", "spectral_norm hook", "stateful hook"])
+def test_state_that_changes_per_call_runs_untiled(lk, kind):
+    """spectral_norm's power iteration (buffers), or a forward hook that counts its calls: a tiled call would run
+    them once per shard and again in the recompute, so the layer runs untiled and equals the plain module, its
+    final state included."""
+    from torch.nn.utils import parametrizations, spectral_norm
+
+    host = llama_mlp()
+    x, d_out = inputs()
+    results = []
+    for module in (bind(lk.LigerTiledSwiGLUMLP, copy.deepcopy(host)), copy.deepcopy(host)):
+        module.num_shards = 3
+        torch.manual_seed(3)  # the power iteration's starting vectors
+        if kind == "parametrizations.spectral_norm":
+            parametrizations.spectral_norm(module.gate_proj)
+        elif kind == "spectral_norm hook":
+            spectral_norm(module.gate_proj)
+        else:
+            calls = []
+            module.up_proj.register_forward_hook(
+                lambda mod, args, out, calls=calls: calls.append(1) or out * len(calls)
+            )
+        torch.manual_seed(3)
+        results.append([*grads_of(module, x, d_out), *module.buffers()])
+    assert_same(*results)
+
+
+def test_a_decorated_or_ambiguous_host_forward_is_refused(lk):
+    import functools
+
+    def doubled(forward):
+        @functools.wraps(forward)
+        def wrapper(self, x):
+            return 2 * forward(self, x)
+
+        return wrapper
+
+    class DecoratedMLP(LlamaMLP):
+        @doubled
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    class TwoActivations(LlamaMLP):
+        def __init__(self, config):
+            super().__init__(config)
+            self.activation_fn = nn.GELU(approximate="tanh")  # what the forward calls; act_fn stays SiLU
+
+        def forward(self, x):
+            return self.down_proj(self.activation_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE)
+    with pytest.raises(ValueError, match="DecoratedMLP cannot be served: its forward holds the decorator `@doubled`"):
+        bind(lk.LigerSwiGLUMLP, DecoratedMLP(config))(torch.randn(2, 5, HIDDEN))
+    with pytest.raises(ValueError, match="TwoActivations cannot be served: it uses tanh-approximated GELU"):
+        bind(lk.LigerSwiGLUMLP, TwoActivations(config))(torch.randn(2, 5, HIDDEN))
+    two = TwoActivations(config).double()
+    x = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
+    assert_same([bind(lk.LigerGEGLUMLP, copy.deepcopy(two))(x)], [two(x)])

@@ -336,6 +336,8 @@ def may_write_over(gate, up) -> bool:
     for t in (gate, up):
         if t.grad_fn is None or (t._base is not None and t._base.grad_fn is None):
             return False
+        if torch._debug_has_internal_overlap(t) != 0:  # expanded (stride-0) or otherwise self-overlapping
+            return False
     return gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
 
 

@@ -31,10 +31,11 @@ _BY_CONFIG = {name: a.name for a in REGISTRY.values() for name in a.config_names
 _ACTIVATION_ATTRIBUTES = ("act_fn", "activation_fn")
 
 
-def host_activation(module: nn.Module) -> str | None:
-    """The registry name of the gated activation ``module`` computes, None when the module does not say, or
-    a string describing an activation this package lacks."""
-    for attribute in _ACTIVATION_ATTRIBUTES:
+def host_activation(module: nn.Module, attributes=_ACTIVATION_ATTRIBUTES) -> str | None:
+    """The registry name of the gated activation ``module`` computes (read from the first of ``attributes``
+    it has, else from its config), None when the module does not say, or a string describing an activation
+    this package lacks."""
+    for attribute in attributes:
         act_fn = getattr(module, attribute, None)
         if act_fn is None:
             continue
@@ -123,23 +124,25 @@ def _return_term(function: ast.FunctionDef):
     raise _Unknown("no return statement")
 
 
-def _match_gated(term) -> str | None:
+def _match_gated(term) -> tuple[str | None, str | None]:
+    """(form, the activation attribute the forward calls), or (None, None)."""
     x = ("x",)
     if term[0] != "call" or term[1] != "down_proj" or term[2][0] != "mul":
-        return None
+        return None, None
     factors = {term[2][1], term[2][2]}
     for act in _ACTIVATION_ATTRIBUTES:
         if factors == {("call", act, ("call", "gate_proj", x)), ("call", "up_proj", x)}:
-            return SEPARATE
+            return SEPARATE, act
         fused = ("call", "gate_up_proj", x)
         if factors == {("call", act, ("chunk", 0, fused)), ("chunk", 1, fused)}:
-            return FUSED
-    return None
+            return FUSED, act
+    return None, None
 
 
 class HostForm(NamedTuple):
     form: str | None  # SEPARATE / FUSED for a gated MLP; None for a host without a forward of its own
     problem: str | None  # why the host is refused, or None
+    act_attribute: str | None = None  # the activation the forward calls: "act_fn" or "activation_fn"
 
 
 _GATED_FORMS = {}  # host class -> HostForm
@@ -159,13 +162,15 @@ def gated_form(cls) -> HostForm:
             function = tree.body[0]
             if not isinstance(function, ast.FunctionDef):
                 raise _Unknown("a forward that is not a plain def")
-            form = _match_gated(_return_term(function))
+            if function.decorator_list:  # a decorator may change what the call computes (or its grad mode)
+                raise _Unknown(f"the decorator `@{ast.unparse(function.decorator_list[0])}`")
+            form, act = _match_gated(_return_term(function))
             problem = None if form else "its forward returns something other than that"
         except _Unknown as error:
             form, problem = None, f"its forward holds {error}, which the layer would not reproduce"
         except (OSError, TypeError, SyntaxError, ValueError) as error:  # no source to read, or an odd one
             form, problem = None, f"its forward could not be read ({type(error).__name__}: {error})"
-        known = HostForm(form, problem)
+        known = HostForm(form, problem, act if form else None)
     _GATED_FORMS[cls] = known
     return known
 
@@ -363,3 +368,10 @@ def declare_rms_norm_host(host_class, casting="llama", offset=0.0, eps_attribute
         raise TypeError(f"declare_rms_norm_host: `eps_attribute` must be a str, got {type(eps_attribute).__name__}")
     offset = _rms_norm._check_real(offset, "offset")
     _RMS_NORM_HOSTS[host_class] = (casting, offset, eps_attribute, "")
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Any module hook of the module's own (forward, pre-forward, backward, pre-backward)."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )

@@ -95,6 +95,19 @@ def _has_backward_hooks(mlp_module) -> bool:
     return any(m._backward_hooks or m._backward_pre_hooks for m in mlp_module.modules() if m is not mlp_module)
 
 
+def _has_forward_hooks(mlp_module) -> bool:
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return True
+    if not isinstance(mlp_module, nn.Module):
+        return False
+    return any(m._forward_hooks or m._forward_pre_hooks for m in mlp_module.modules() if m is not mlp_module)
+
+
+def _has_buffers(mlp_module) -> bool:
+    return isinstance(mlp_module, nn.Module) and next(mlp_module.buffers(), None) is not None
+
+
 def untiled_reason(mlp_module, x: torch.Tensor, params) -> str | None:
     """Why this call must run as the plain ``fn(mlp_module, x)``, or None to tile it.
 
@@ -102,11 +115,21 @@ def untiled_reason(mlp_module, x: torch.Tensor, params) -> str | None:
     * Module backward hooks inside the MLP (gradient monitors, per-layer clipping, K-FAC): tiled, they would
       fire once per shard with a slice of the gradient instead of once with all of it. (A hook on the MLP
       module itself fires around the whole call either way.)
+    * Module forward hooks inside the MLP, and buffers (spectral_norm's power iteration, running
+      statistics): both may carry state from call to call, and a tiled call runs each module once per shard
+      in forward and again in the recompute. DeepSpeed ZeRO-3 and FSDP2 hooks only gather and release
+      parameters: those modules still tile.
     """
     if transforms_active(x, *params):
         return "torch.func transform"
     if _has_backward_hooks(mlp_module):
         return "module backward hooks"
+    every = list(mlp_module.parameters()) if isinstance(mlp_module, nn.Module) else params
+    engine = gathers_per_shard(mlp_module, [p for p in every if hasattr(p, "ds_id")])
+    if not engine and _has_forward_hooks(mlp_module):
+        return "module forward hooks"
+    if _has_buffers(mlp_module):
+        return "module buffers"
     return None
 
 

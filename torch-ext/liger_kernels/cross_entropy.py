@@ -67,6 +67,7 @@ def check_target(target, rows_shape, n_classes: int, ignore_index: int, op: str)
     """``target`` of shape ``rows_shape``, integer; on the CPU its values are checked too (free there; on a
     device that would cost a synchronization, so the kernels make an out-of-range target's loss NaN)."""
     check_tensor(target, "target", op, floating=False)
+    is_functorch(target)  # vmap: the clear error, before anything indexes by a mask
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(f"{op}: `target` must hold integer class indices, got {target.dtype}")
     if tuple(target.shape) != tuple(rows_shape):
@@ -745,7 +746,19 @@ def apply_rows(logits, target, ce_weight, opts: Options, want_pred: bool):
 
 
 def is_functorch(*tensors) -> bool:
-    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    """torch.func's wrapped tensors: the PyTorch formulas run on them (grad, jacrev). vmap cannot batch the
+    per-row masking by target, so it gets a clear error instead of one from inside functorch."""
+    if not any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    if any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters()):
+        raise NotImplementedError(
+            "liger-kernels cross-entropy: torch.func.vmap is not supported (rows are masked by their targets); "
+            "loop over the batch, or use torch.func.grad without vmap"
+        )
+    return True
 
 
 def cross_entropy(

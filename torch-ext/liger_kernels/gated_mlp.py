@@ -30,7 +30,9 @@ class GatedMLP:
     def check(self, module: nn.Module):
         """(activation, form) for ``module``, or a ValueError naming what the layer would not reproduce."""
         shape = _hosts.gated_form(type(module))
-        found = _hosts.host_activation(module)
+        found = _hosts.host_activation(module, (shape.act_attribute,)) if shape.act_attribute else None
+        if found is None:
+            found = _hosts.host_activation(module)
         if found is None:
             found = self.default
         wanted = " or ".join(_hosts.describe(a) for a in self.activations)
@@ -46,6 +48,10 @@ class GatedMLP:
 
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         activation, form = self.check(module)
+        if _activation_is_hooked(module):
+            # Hooks on the activation module (reading, ablating or steering neurons) must see it called: the
+            # host's own forward is what they hook into.
+            return type(module).forward(module, x)
         if form == _hosts.FUSED:
             # The halves share one buffer: backward writes fresh gradients (never over an aliased pair).
             gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
@@ -60,11 +66,17 @@ class GatedMLP:
         """The activation, when the tiled MLP may compute this math from the projections' weights directly:
         separate projections, each a plain nn.Linear (see ``_hosts.is_plain_linear``). None otherwise."""
         activation, form = self.check(module)
-        if form != _hosts.SEPARATE:
+        if form != _hosts.SEPARATE or _activation_is_hooked(module):
             return None
         if not all(_hosts.is_plain_linear(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj")):
             return None
         return activation
+
+
+def _activation_is_hooked(module: nn.Module) -> bool:
+    shape = _hosts.gated_form(type(module))
+    act = getattr(module, shape.act_attribute or "act_fn", None)
+    return isinstance(act, nn.Module) and _hosts.has_hooks(act)
 
 
 swiglu_mlp = GatedMLP("LigerSwiGLUMLP", ["silu"], default="silu")

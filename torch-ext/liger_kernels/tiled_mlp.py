@@ -58,7 +58,7 @@ def apply_tiled_mlp(
         raise ValueError(f"{OP}: `x` must be [B, S, H] or [S, H], got shape {tuple(x.shape)}")
     requested = _tiling.check_num_shards(num_shards)
     if tile is not None and not isinstance(tile, bool):
-        raise TypeError(f"{OP}: `tile` must be None (automatic), True or False, got {type(tile).__name__}")
+        raise TypeError(f"{OP}: `tile` must be None (automatic), True or False (a Python bool), got {tile!r}")
     if tile is False or torch.compiler.is_exporting():
         return fn(mlp_module, x)
     return _apply_tiled(fn, mlp_module, x, requested, compute_params, tile)
@@ -181,16 +181,19 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         # same kind (leaf or not) as x, so that it makes the same casts and the same gradient sums as untiled.
         ctx.x_is_grad_leaf = x.is_leaf and x.requires_grad
         ctx.gated = gated_plan(fn, mlp_module, x, ctx.params, ctx.zero3_params)
-        ctx.save_for_backward(x)
+        # The parameters are saved as well as x: a weight changed in place before backward (an optimizer or EMA
+        # step) then raises autograd's own error, as the plain module's saved weights do, instead of the
+        # recompute silently using the new values.
+        ctx.save_for_backward(x, *params)
         if ctx.gated is not None:
             return gated_mlp_forward(ctx.gated, x, ctx.bounds)
         out = None
         for start, length in ctx.bounds:
             shard_out = fn(mlp_module, x.narrow(-2, start, length))
-            if shard_out.dim() != x.dim() or shard_out.shape[-2] != length:
+            if not isinstance(shard_out, torch.Tensor) or shard_out.dim() != x.dim() or shard_out.shape[-2] != length:
                 raise ValueError(
-                    f"{OP}: `fn` must map a shard [..., {length}, H] to [..., {length}, H_out], got "
-                    f"{tuple(shard_out.shape)}"
+                    f"{OP}: `fn` must map a shard [..., {length}, H] to a tensor [..., {length}, H_out], got "
+                    f"{tuple(shard_out.shape) if isinstance(shard_out, torch.Tensor) else type(shard_out).__name__}"
                 )
             if out is None:  # written shard by shard: no second full-size copy, as torch.cat would make
                 out = shard_out.new_empty(*shard_out.shape[:-2], x.shape[-2], shard_out.shape[-1])
@@ -206,7 +209,7 @@ class LigerTiledMLPFunction(torch.autograd.Function):
                 "recomputes each shard and returns first-order gradients only. Use the untiled layer "
                 "(LigerSwiGLUMLP / LigerGEGLUMLP) for higher-order gradients."
             )
-        (x,) = ctx.saved_tensors
+        x = ctx.saved_tensors[0]
         want_x = ctx.needs_input_grad[2]
         if ctx.gated is not None:
             d_x, grads = gated_mlp_backward(ctx.gated, ctx.params, ctx.bounds, x, d_out, want_x)
