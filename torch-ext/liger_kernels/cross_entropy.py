@@ -24,6 +24,9 @@ times ``1 - tanh^2(x_j / c)`` for the softcap. The target term is folded in fp32
 Two Triton kernels, one program per row, loop over the vocabulary in blocks: ``_ce_stats_kernel`` (online
 logsumexp, the loss rows, the argmax) and ``_ce_grad_kernel`` (the gradient, given lse). The gradient may be
 written over the logits it reads (each program reads its row's target logit before writing any of it).
+
+This module is over 300 lines because the two kernels, their PyTorch twins (the CPU path and the references
+the option semantics are defined by) and the ops around them change together.
 """
 
 import math

@@ -23,6 +23,9 @@ keeps the row logsumexps and backward recomputes the chunks' logits.
 
 The loss is fp32 (fp64 for fp64 inputs). Under autocast the GEMMs run in the autocast dtype, like
 ``F.linear`` would, and each gradient is returned in its parameter's dtype (from the fp32 accumulator).
+
+This module is over 300 lines because the chunking, the autograd Function, the torch.library ops and the
+PyTorch path of one computation change together.
 """
 
 import contextlib

@@ -29,6 +29,9 @@ are differentiable, on either backend. ``torch.func`` transforms of :func:`rms_n
 PyTorch form; :class:`LigerRMSNormFunction` is a ctx-style Function, which ``torch.func`` refuses with its own
 error. Under ``torch.compile`` :func:`rms_norm` is one ``torch.library`` op (no graph break); exported
 programs get the PyTorch form (aten ops only).
+
+This module is over 300 lines because the kernels, their launch parameters, the PyTorch path and the autograd
+and torch.library wrappers change together (the Triton tutorials' layout).
 """
 
 import math

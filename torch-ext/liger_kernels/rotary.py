@@ -27,6 +27,9 @@ Inputs are read in place through their strides (the q/k slices of a fused qkv pr
 not, need no copy); the results are fresh tensors, dense in the memory order of ``q``/``k``, and nothing the
 caller passed is written. ``cos``/``sin`` that require grad get their gradients: the call then runs the
 differentiable PyTorch composite.
+
+This module is over 300 lines because the kernel, its launcher, the layout handling, the PyTorch path and
+the autograd and torch.library wrappers change together; splitting them would separate the math from its kernel.
 """
 
 import torch
