@@ -1,5 +1,5 @@
-"""The tiled MLP under torch.distributed on CPU (gloo, 2 ranks): the DDP failure the package exists for
-(a DDP hook firing inside the shard loop), gradient parity with an untiled single-process run, and shard-count agreement."""
+"""The tiled MLP under torch.distributed on CPU (gloo, 2 ranks): the DDP failure the package exists for (a DDP
+hook firing inside the shard loop), gradient parity with an untiled single-process run, and no hidden collective."""
 
 import pytest
 
