@@ -29,6 +29,7 @@ between calls, and nothing here reads them.
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -103,6 +104,11 @@ def nbytes(*tensors):
 def _sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+# LIGER_BENCH_ROTARY_GRAPH=0 times eagerly only: a failed capture leaves the CUDA context unusable for the
+# rest of the process (see NOTES.md).
+GRAPH = os.environ.get("LIGER_BENCH_ROTARY_GRAPH", "1") != "0"
 
 
 def graph_ms(fn, replays=30, warm_replays=10):
@@ -208,7 +214,7 @@ def measure(fn, layout, shape, device):
     traffic = 2 * nbytes(q, k) + nbytes(cos, sin)  # read q, k, cos, sin; write two outputs (likewise backward)
     row = {"fwd_bytes": traffic, "bwd_bytes": traffic}
     forward, backward, holder = phases(fn, q, k, cos, sin)
-    if device == "cuda":
+    if device == "cuda" and GRAPH:
         row["fwd_graph_ms"] = graph_ms(forward)
         row["bwd_graph_ms"] = graph_ms(backward)
         holder.clear()
