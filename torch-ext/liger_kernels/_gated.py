@@ -236,8 +236,10 @@ def _forward_torch(gate, up, activation: GatedActivation, gate_multiplier, down_
     return out.to(gate.dtype)
 
 
-def _backward_torch(d_out, gate, up, activation, gate_multiplier, down_multiplier):
-    compute = _compute_dtype(gate.dtype)
+def _backward_torch(d_out, gate, up, activation, gate_multiplier, down_multiplier, differentiable=False):
+    # Differentiated again (create_graph), the first derivative's formula is itself differentiated by autograd:
+    # in fp64 its second derivative carries no more error than PyTorch's own double-backward kernels.
+    compute = torch.float64 if differentiable else _compute_dtype(gate.dtype)
     act, d_act = activation.torch_value_and_grad(gate.to(compute) * gate_multiplier)
     d_out = d_out.to(compute) * down_multiplier
     d_up = d_out * act
@@ -362,7 +364,7 @@ def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | N
     gate, up = ctx.saved_tensors
     args = (ctx.activation, ctx.gate_multiplier, ctx.down_multiplier)
     if torch.is_grad_enabled() or transforms_active(d_out, gate, up):
-        d_gate, d_up = _backward_torch(d_out, gate, up, *args)
+        d_gate, d_up = _backward_torch(d_out, gate, up, *args, differentiable=torch.is_grad_enabled())
     else:
         d_gate, d_up = gated_backward(d_out, gate, up, *args, ctx.in_place and not graph_is_retained())
     return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None)
@@ -440,7 +442,9 @@ def _backward(ctx, d_out):
     gate, up = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph: the differentiable composite (see the contract above)
         activation, gate_multiplier, down_multiplier = ctx.args
-        d_gate, d_up = _backward_torch(d_out, gate, up, REGISTRY[activation], gate_multiplier, down_multiplier)
+        d_gate, d_up = _backward_torch(
+            d_out, gate, up, REGISTRY[activation], gate_multiplier, down_multiplier, differentiable=True
+        )
     elif ctx.in_place and not torch.compiler.is_compiling() and not graph_is_retained():
         gated_backward_in_place_op(d_out, gate, up, *ctx.args)
         d_gate, d_up = gate, up
