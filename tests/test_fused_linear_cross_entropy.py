@@ -533,7 +533,8 @@ def test_cuda_llama3_head_bf16_against_chunked_fp32_reference(lk):
     # What must coexist at the peak (the fp32 weight-gradient sum being cast to bf16): the fp32 sum, its bf16
     # copy, the input gradient and one chunk of logits. The full logits alone would be 7.8 GiB.
     chunk = lk.fused_linear_cross_entropy.chunk_rows(n, hidden, vocab, torch.bfloat16, True)
-    bound = vocab * hidden * (4 + 2) + n * hidden * 2 + chunk * vocab * 2
+    # (+ the per-row fp32 statistics and the allocator's rounding of each block to 2 MiB)
+    bound = vocab * hidden * (4 + 2) + n * hidden * 2 + chunk * vocab * 2 + n * 4 * 4 + 8 * 2**21
     assert extra <= bound, f"extra peak {extra / 2**30:.2f} GiB > {bound / 2**30:.2f} GiB"
     ref = chunked_reference(x, weight, target)
     eager_loss = F.cross_entropy((x @ weight.T).float(), target)  # eager PyTorch: ~60 GiB at this size
