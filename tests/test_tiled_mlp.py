@@ -101,7 +101,7 @@ def test_bad_arguments(lk):
         lk.apply_tiled_mlp(call, module, torch.randn(H))
     with pytest.raises(TypeError, match="`compute_params` must hold tensors"):
         lk.apply_tiled_mlp(call, module, torch.randn(4, H), None, ["weight"])
-    with pytest.raises(ValueError, match=r"`fn` must map a shard \[\.\.\., 3, H\] to \[\.\.\., 3, H_out\]"):
+    with pytest.raises(ValueError, match=r"`fn` must map a shard \[\.\.\., 3, H\] to a tensor \[\.\.\., 3, H_out\]"):
         lk.apply_tiled_mlp(lambda m, x: x.sum(-2), module, torch.randn(2, 6, H), 2)
 
 

@@ -750,7 +750,10 @@ def apply_rows(logits, target, ce_weight, opts: Options, want_pred: bool):
 
 def is_functorch(*tensors) -> bool:
     """torch.func's wrapped tensors: the PyTorch formulas run on them (grad, jacrev). vmap cannot batch the
-    per-row masking by target, so it gets a clear error instead of one from inside functorch."""
+    per-row masking by target, so it gets a clear error instead of one from inside functorch. (A compiled graph
+    handles transforms itself, and the check is opaque to the compiler.)"""
+    if torch.compiler.is_compiling():
+        return False
     if not any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
         return False
     from torch._C._functorch import TransformType
