@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 import liger_kernels as lk
+from timing import graph_ms  # noqa: E402  (CUDA-graph replay timing, shared by the suite)
 
 RMS = sys.modules["liger_kernels.rms_norm"]  # the module (the package's `rms_norm` is the function)
 SHAPES = [(32768, 4096), (8192, 8192)]
@@ -112,34 +113,6 @@ def check_implementations(impls, hidden, device="cuda", dtype=torch.bfloat16):
 
 # ----------------------------------------------------------------------------------------------------------
 # Timing
-
-
-def graph_ms(fn, replays=30, warm_replays=10):
-    """Median GPU time of one ``fn()`` call from CUDA-graph replays of CALLS calls. ``fn`` runs on a side
-    stream, so autograd's backward (which runs on its forward's stream) is captured too."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(CALLS):
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    for _ in range(warm_replays):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS)
-    del graph
-    return statistics.median(times)
 
 
 def eager_ms(fn, reps=30, warm=10):

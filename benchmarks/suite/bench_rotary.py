@@ -40,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "torch-ext"))
 import liger_kernels as lk  # noqa: E402
+from timing import graph_ms  # noqa: E402  (CUDA-graph replay timing, shared by the suite)
 
 SHAPE = {"batch": 1, "seq": 32768, "n_q": 32, "n_k": 8, "dim": 128}
 HOST_SHAPE = {"batch": 1, "seq": 16, "n_q": 4, "n_k": 2, "dim": 64}
@@ -109,34 +110,6 @@ def _sync(device):
 # LIGER_BENCH_ROTARY_GRAPH=0 times eagerly only: a failed capture leaves the CUDA context unusable for the
 # rest of the process (see NOTES.md).
 GRAPH = os.environ.get("LIGER_BENCH_ROTARY_GRAPH", "1") != "0"
-
-
-def graph_ms(fn, replays=30, warm_replays=10):
-    """Median GPU time of one ``fn()``, from CUDA-graph replays of GRAPH_CALLS calls. ``fn`` runs on a side
-    stream, so autograd's backward (which runs on its forward's stream) is captured too."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(GRAPH_CALLS):
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    for _ in range(warm_replays):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / GRAPH_CALLS)
-    del graph
-    return statistics.median(times)
 
 
 def eager_ms(fn, device, repeats=15):
