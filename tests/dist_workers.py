@@ -108,20 +108,26 @@ def _models(options, variant_root, device=None):
     device = torch.device("cpu") if device is None else device
     lk = kernels.get_local_kernel(variant_root)
     torch.manual_seed(0)
-    if options["model"] == "llama":
+    if options["model"] in ("llama", "llama_fused_loss"):
         from transformers import LlamaForCausalLM
 
         from ddp_demo import kernelize_tiled, tiny_llama_config
 
         reference = LlamaForCausalLM(tiny_llama_config())
-        model = kernelize_tiled(copy.deepcopy(reference), variant_root)
+        causal_lm = kernelize_tiled(copy.deepcopy(reference), variant_root)
         units = (
-            list(model.model.layers) if options.get("wrap") == "layers" else [layer.mlp for layer in model.model.layers]
+            list(causal_lm.model.layers) if options.get("wrap") == "layers" else [x.mlp for x in causal_lm.model.layers]
         )
+        fused = options["model"] == "llama_fused_loss"
+        if fused:  # the loss through lk.CausalLMWithFusedLoss: the lm_head weight is sharded with the root unit
+            units.append(causal_lm.lm_head)
+        model = lk.CausalLMWithFusedLoss(causal_lm) if fused else causal_lm
 
         def loss_of(m, r, micro):
             ids = torch.randint(0, 97, (1, 256), generator=torch.Generator().manual_seed(10 * micro + r))
             ids = ids.to(device)
+            if fused and m is not reference:
+                return m(input_ids=ids, labels=ids)
             return m(input_ids=ids, labels=ids).loss
     else:
         reference = torch.nn.Sequential(*[GatedMLP(64, 160) for _ in range(3)])
@@ -264,17 +270,23 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
             reduce_bucket_size=options["bucket"], allgather_bucket_size=options["bucket"]
         )
     torch.manual_seed(0)
-    if options["model"] == "llama":
+    if options["model"] in ("llama", "llama_fused_loss"):
         from transformers import LlamaForCausalLM
 
         from ddp_demo import kernelize_tiled, tiny_llama_config
 
+        fused = options["model"] == "llama_fused_loss"  # the loss through lk.CausalLMWithFusedLoss (no logits)
         reference = LlamaForCausalLM(tiny_llama_config())
-        build = lambda: kernelize_tiled(copy.deepcopy(reference), variant_root)  # noqa: E731
+
+        def build():
+            model = kernelize_tiled(copy.deepcopy(reference), variant_root)
+            return lk.CausalLMWithFusedLoss(model) if fused else model
 
         def loss_of(m, r, micro):
             ids = torch.randint(0, 97, (1, seq), generator=torch.Generator().manual_seed(10 * micro + r))
             ids = ids.to(device)
+            if fused and m is not reference:
+                return m(input_ids=ids, labels=ids)
             return m(input_ids=ids, labels=ids).loss
     else:
         reference = torch.nn.Sequential(*[GatedMLP(64, 160) for _ in range(3)])

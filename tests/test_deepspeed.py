@@ -23,6 +23,7 @@ CASES = {
     "ZeRO-3, S not divisible by the shards": {"model": "mlps", "stage": 3, "seq": 250},
     "ZeRO-3, llama, embeddings and norms frozen": {"model": "llama", "stage": 3, "freeze": "embed_norm"},
     "ZeRO-3, llama, everything outside the MLPs frozen": {"model": "llama", "stage": 3, "freeze": "non_mlp"},
+    "ZeRO-3, llama, fused loss (causal_lm_loss)": {"model": "llama_fused_loss", "stage": 3},
     "ZeRO-2, gated MLP stack": {"model": "mlps", "stage": 2},
     "ZeRO-2, llama, reduce_bucket_size 4096": {"model": "llama", "stage": 2, "bucket": 4096},
 }

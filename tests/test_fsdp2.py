@@ -13,6 +13,7 @@ CASES = {
     "llama, reshard_after_forward=False": {"model": "llama", "wrap": "layers", "reshard": False},
     "llama, accumulation without gradient sync": {"model": "llama", "wrap": "layers", "micro_batches": 2},
     "llama, embeddings and norms frozen": {"model": "llama", "wrap": "layers", "freeze": True},
+    "llama, fused loss (causal_lm_loss), layers and lm_head sharded": {"model": "llama_fused_loss", "wrap": "layers"},
     "gated MLP stack, each MLP + root": {"model": "mlps", "wrap": "mlp"},
     "gated MLP stack, accumulation": {"model": "mlps", "wrap": "mlp", "micro_batches": 2},
 }

@@ -14,6 +14,7 @@
 """
 
 import numbers
+import types
 
 import torch
 import torch.nn.functional as F
@@ -144,25 +145,64 @@ def causal_lm_loss(
     outputs = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    weight, bias = head.weight, getattr(head, "bias", None)
-    scale = _logit_scale(model, config)
-    if scale != 1.0:  # (h W^T + b) s = (s h) W^T + s b
-        hidden = hidden * scale
-        bias = bias * scale if bias is not None else None
-    loss = LigerForCausalLMLoss(
-        None,
-        labels,
-        weight.shape[0],
+    options = dict(
         num_items_in_batch=num_items_in_batch,
         ignore_index=ignore_index,
         shift_labels=shift_labels,
+        scale=_logit_scale(model, config),
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+    )
+    loss = (
+        _fsdp_head_call(head, hidden, labels, options)
+        if _is_fsdp_unit(head)
+        else _head_loss(head, hidden, labels, options)
+    )
+    return (loss, outputs) if return_outputs else loss
+
+
+def _head_loss(head, hidden, labels, options):
+    """The fused loss on ``head``'s weight and bias (never its forward: that would build the logits)."""
+    weight, bias = head.weight, getattr(head, "bias", None)
+    scale = options["scale"]
+    if scale != 1.0:  # (h W^T + b) s = (s h) W^T + s b
+        hidden = hidden * scale
+        bias = bias * scale if bias is not None else None
+    return LigerForCausalLMLoss(
+        None,
+        labels,
+        weight.shape[0],
+        num_items_in_batch=options["num_items_in_batch"],
+        ignore_index=options["ignore_index"],
+        shift_labels=options["shift_labels"],
         hidden_states=hidden,
         lm_head_weight=weight,
         lm_head_bias=bias,
         hidden_size=hidden.shape[-1],
-        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        final_logit_softcapping=options["final_logit_softcapping"],
     )
-    return (loss, outputs) if return_outputs else loss
+
+
+def _is_fsdp_unit(module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
+
+
+_FSDP_METHOD = "_liger_kernels_fused_loss"
+
+
+def _fsdp_head_call(head, hidden, labels, options):
+    """An lm_head that is its own FSDP2 unit holds sharded weights until its forward runs. The fused loss runs
+    as a method FSDP2 treats as a forward (``register_fsdp_forward_method``): the weight is gathered for it and
+    resharded after, and the weight's gradient is reduce-scattered in backward, as after the head's forward."""
+    if _FSDP_METHOD not in vars(head):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        setattr(head, _FSDP_METHOD, types.MethodType(_head_loss, head))
+        register_fsdp_forward_method(head, _FSDP_METHOD)
+    return getattr(head, _FSDP_METHOD)(hidden, labels, options)
 
 
 class CausalLMWithFusedLoss(nn.Module):
