@@ -73,8 +73,11 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     if _tiling.untiled_reason(mlp_module, x, params) is not None:
         return fn(mlp_module, x)
     zero3 = [p for p in params if is_zero3(p)]
-    num_shards = _tiling.num_shards_for(requested, x, _tiling.gathers_per_shard(mlp_module, zero3))
-    if tile is None and requested is None and not _pays(fn, mlp_module, x, num_shards):
+    gathers = _tiling.gathers_per_shard(mlp_module, zero3)
+    num_shards = _tiling.num_shards_for(requested, x, gathers)
+    # Where parameters are gathered per shard, every rank must take the same branch: the choice reads this
+    # rank's tokens, so those engines always tile.
+    if tile is None and requested is None and not gathers and not _pays(fn, mlp_module, x, num_shards):
         return fn(mlp_module, x)
     explicit = [] if zero3 else params
     # ZeRO-3 weights are not Function inputs; when x needs no grad either, an anchor input makes the output
