@@ -78,3 +78,91 @@ def test_an_eager_call_reads_no_environment_and_allocates_only_its_outputs(lk, n
     assert CountingEnviron.reads == 0
     if name == "triton":
         assert (forward, len(allocations)) == (1, 1)  # in place: backward writes over gate and up
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch.compile against torch.export. Before torch 2.14 dynamo folds torch.compiler.is_exporting() to True under
+# plain torch.compile too; an op that asked it would take its export form (the PyTorch composite) in every
+# compiled model. The tests make is_exporting() say True, as those versions do, and check that compiled calls
+# still reach the package's ops while exported programs still hold aten ops only.
+
+
+def _op_calls(lk):
+    x = torch.randn(6, 32, requires_grad=True)
+    weight = torch.randn(32, requires_grad=True)
+    q, k = torch.randn(1, 2, 3, 8, requires_grad=True), torch.randn(1, 1, 3, 8, requires_grad=True)
+    cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    head = torch.randn(40, 32, requires_grad=True)
+    target = torch.randint(0, 40, (6,))
+    return {
+        "rms_norm": (lambda x, w: lk.rms_norm(x, w, 1e-6), (x, weight)),
+        "rotary": (lambda q, k: lk.liger_rotary_pos_emb(q, k, cos, sin), (q, k)),
+        "silu_mul": (lambda a, b: lk.silu_mul(a, b), (x, x * 2)),
+        "fused_linear_cross_entropy": (lambda x, w: lk.liger_fused_linear_cross_entropy(x, w, target), (x, head)),
+        "cross_entropy": (lambda x, w: lk.cross_entropy.cross_entropy(x @ w.T, target), (x, head)),
+    }
+
+
+@pytest.fixture
+def dynamo_says_exporting(monkeypatch):
+    """is_exporting() as torch < 2.14 traces it: True in code dynamo traces, the real flag elsewhere (torch's
+    own callers run untraced)."""
+    real = torch.compiler.is_exporting
+
+    def folded():
+        return True if torch.compiler.is_dynamo_compiling() else real()
+
+    monkeypatch.setattr(torch.compiler, "is_exporting", folded)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _package_targets(lk, graph) -> set:
+    return {str(n.target) for n in graph.nodes if n.op == "call_function" and lk.__name__ in str(n.target)}
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "rotary", "silu_mul", "fused_linear_cross_entropy", "cross_entropy"])
+def test_compile_reaches_the_ops_where_dynamo_says_exporting(lk, op, dynamo_says_exporting):
+    fn, args = _op_calls(lk)[op]
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm.graph)
+        return gm.forward
+
+    torch.compile(fn, backend=recording, fullgraph=True)(*args)
+    assert graphs and _package_targets(lk, graphs[0]), graphs[0] if graphs else "no graph"
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("op", ["rms_norm", "rotary", "silu_mul", "fused_linear_cross_entropy", "cross_entropy"])
+def test_export_holds_aten_ops_only(lk, op, strict):
+    fn, args = _op_calls(lk)[op]
+    args = tuple(a.detach() for a in args)
+
+    class Module(torch.nn.Module):
+        def forward(self, *inputs):
+            return fn(*inputs)
+
+    torch._dynamo.reset()
+    program = torch.export.export(Module(), args, strict=strict)
+    assert not _package_targets(lk, program.graph)
+    for got, want in zip(
+        torch.utils._pytree.tree_leaves(program.module()(*args)), torch.utils._pytree.tree_leaves(fn(*args))
+    ):
+        if isinstance(want, torch.Tensor) and want.is_floating_point():
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_tiled_mlp_tiles_where_dynamo_says_exporting(lk, dynamo_says_exporting):
+    shards = []
+
+    def fn(module, x):
+        shards.append(x.shape[-2])
+        return module(x)
+
+    mlp = torch.nn.Linear(8, 8)
+    x = torch.randn(1, 12, 8)
+    torch.compile(lambda x: lk.apply_tiled_mlp(fn, mlp, x, num_shards=3))(x)
+    assert shards == [4, 4, 4]

@@ -136,7 +136,7 @@ def check_rms_norm(
     checks = {  # what: (got, want, floor dtype, truncating casts)
         "out": (out, ref, x.dtype if coarse else out_dtype, truncate),
         "d_x": (d_x, ref_d_x, x.dtype, truncate),
-        "d_weight": (d_w, ref_d_w, x.dtype if coarse else weight.dtype, truncate and coarse),
+        "d_weight": (d_w, ref_d_w, x.dtype if coarse else weight.dtype, truncate),
     }
     for what, (got, want, dtype, truncated) in checks.items():
         label = f"{casting} x {x.dtype} weight {weight.dtype} {what}"

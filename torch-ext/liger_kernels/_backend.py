@@ -87,3 +87,13 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if not on_device and not triton_interpreted():
         raise RuntimeError("LIGER_KERNELS_BACKEND=triton on a CPU tensor needs TRITON_INTERPRET=1 set before import")
     return True
+
+
+def exporting() -> bool:
+    """Whether torch.export is tracing the call (strict or not), where every op takes its aten-only form.
+
+    Not ``torch.compiler.is_exporting()``: before torch 2.14, dynamo folds that call to True under plain
+    torch.compile as well, which would send every compiled call down the export path (the PyTorch
+    composites, fused by inductor with other roundings, and an untiled MLP). The flag export sets around
+    its tracing is read instead; under torch.compile it is False."""
+    return torch.compiler._is_exporting_flag

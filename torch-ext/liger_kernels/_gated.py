@@ -488,7 +488,7 @@ def gated_apply(gate, up, activation: GatedActivation, gate_multiplier, down_mul
     torch.export and torch.func get the PyTorch composite: an exported program then holds only aten ops and
     loads wherever PyTorch does (the torch.library namespace is per build), and transformed tensors have no
     storage for a kernel."""
-    if torch.compiler.is_exporting() or transforms_active(gate, up):
+    if _backend.exporting() or transforms_active(gate, up):
         return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     if torch.compiler.is_compiling():
         return gated_forward_op(gate, up, activation.name, gate_multiplier, down_multiplier, in_place_backward)

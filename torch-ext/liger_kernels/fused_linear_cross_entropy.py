@@ -541,7 +541,7 @@ torch.library.register_autograd(_forward_op, _op_backward, setup_context=_op_set
 
 def _apply(input, weight, target, bias, ce_weight, opts: Options, dtype, accum_dtype, want_pred, want_accuracy):
     """(loss, z_loss, token_accuracy, pred) with autograd, for validated inputs."""
-    if torch.compiler.is_exporting():
+    if _backend.exporting():
         return composite(input, weight, target, bias, ce_weight, opts, want_pred, want_accuracy)
     if torch.compiler.is_compiling():
         grad_on = torch.is_grad_enabled()

@@ -108,7 +108,7 @@ def _needs_composite(x: torch.Tensor, weight: torch.Tensor) -> bool:
         or type(weight) not in plain
         or wrapped(x)
         or wrapped(weight)
-        or torch.compiler.is_exporting()
+        or _backend.exporting()
     )
 
 
@@ -122,16 +122,17 @@ def _needs_composite(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 MAX_BLOCK_COLS = 8192
 FORWARD_TILE = 8192  # elements per forward program: several rows per program when rows are narrow
-BACKWARD_TILE = 4096  # elements per backward step (fewer: backward also holds weight and its gradient sum)
+BACKWARD_TILE = 8192  # elements per backward step (benchmarks/NOTES.md §13: 2 rows of 4096 a step beat 1)
 MAX_BLOCK_ROWS = 256
 ELEMENTS_PER_THREAD = 16  # of the tile: sets num_warps
 # Backward programs resident per multiprocessor: ~128 registers a thread (no spills, compiled for sm_90) fit
 # 512 threads. More programs than fit would only add rows to the partial-sum buffer.
 BACKWARD_THREADS_PER_SM = 512
 # Blocks of rows a backward program has in flight (software pipelining through shared memory): STAGES - 1
-# tiles of d_y and x wait in shared memory, 48 KiB a program for 4 stages of a 4096-element bf16 tile. Fewer
-# stages where that would exceed BACKWARD_SHARED_BYTES or half the device's shared memory per block.
-BACKWARD_STAGES = 4
+# tiles of d_y and x wait in shared memory, 64 KiB a program for 3 stages of an 8192-element bf16 tile (on
+# the H200, 3 stages beat 4 by 4-8% at H = 4096 and 8192: NOTES.md §13). Fewer stages where that would exceed
+# BACKWARD_SHARED_BYTES or half the device's shared memory per block.
+BACKWARD_STAGES = 3
 BACKWARD_SHARED_BYTES = 96 * 1024
 
 
@@ -278,6 +279,26 @@ def _rms_norm_backward_kernel(
                             x_normed = x_normed.to(x_ptr.dtype.element_ty).to(tl.float32)
                         partial = tl.load(d_weight_row + cols, mask=mask, other=0.0)
                         tl.store(d_weight_row + cols, partial + d_y * x_normed, mask=mask)
+
+
+# The weight gradient: the programs' partial sums added in a fixed order (deterministic), and cast to the
+# weight's dtype in the same pass; one launch where torch's sum and cast would take two.
+SUM_BLOCK_COLS = 32
+SUM_BLOCK_PARTIALS = 32
+
+
+@jit
+def _sum_partials_kernel(
+    partial_ptr, d_weight_ptr, n_partials, n_cols, BLOCK_PARTIALS: constexpr, BLOCK_COLS: constexpr
+):
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    total = tl.zeros([BLOCK_PARTIALS, BLOCK_COLS], dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_PARTIALS):
+        partials = start + tl.arange(0, BLOCK_PARTIALS)
+        mask = (partials < n_partials)[:, None] & col_mask[None, :]
+        total += tl.load(partial_ptr + partials[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(d_weight_ptr + cols, tl.sum(total, axis=0).to(d_weight_ptr.dtype.element_ty), mask=col_mask)
 
 
 # Launch parameters depend on H only; computed once per width (and cleared when the constants above change).
@@ -437,8 +458,11 @@ def _backward_triton(d_y, x, weight, rstd, offset, llama, needs_x, needs_w):
         num_warps=warps,
     )
     d_weight = None
-    if needs_w:  # a fixed-order sum over a fixed number of programs: deterministic
-        d_weight = (partial.sum(0) if programs > 1 else partial[0]).to(weight.dtype)
+    if needs_w:
+        d_weight = _backend.new_tensor((n_cols,), dtype=weight.dtype, device=x.device)
+        _sum_partials_kernel[(_cdiv(n_cols, SUM_BLOCK_COLS),)](
+            partial, d_weight, programs, n_cols, BLOCK_PARTIALS=SUM_BLOCK_PARTIALS, BLOCK_COLS=SUM_BLOCK_COLS
+        )
     return (d_x if needs_x else None), d_weight
 
 
@@ -622,7 +646,7 @@ def rms_norm(x, weight, eps=1e-6, offset=0.0, casting="llama"):
     torch.library op; under torch.func or export, or for tensor subclasses, the differentiable PyTorch form."""
     eps, offset, llama = check_inputs(x, weight, eps, offset, casting)
     if torch.compiler.is_compiling():
-        if torch.compiler.is_exporting():
+        if _backend.exporting():
             return _forward_torch(x, weight, eps, offset, llama)[0]
         return rms_norm_forward_op(x, weight, eps, offset, llama)[0]
     if _needs_composite(x, weight):

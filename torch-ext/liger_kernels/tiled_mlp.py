@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import _replay, _tiling
+from . import _backend, _replay, _tiling
 from ._grad_sums import accumulate, cast_each
 from ._tiled_gated import gated_mlp_backward, gated_mlp_forward, gated_plan
 
@@ -59,7 +59,7 @@ def apply_tiled_mlp(
     requested = _tiling.check_num_shards(num_shards)
     if tile is not None and not isinstance(tile, bool):
         raise TypeError(f"{OP}: `tile` must be None (automatic), True or False (a Python bool), got {tile!r}")
-    if tile is False or torch.compiler.is_exporting():
+    if tile is False or _backend.exporting():
         return fn(mlp_module, x)
     return _apply_tiled(fn, mlp_module, x, requested, compute_params, tile)
 
