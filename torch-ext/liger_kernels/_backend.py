@@ -33,6 +33,11 @@ except ImportError:  # Metal, or a CPU-only install without Triton: the PyTorch 
         return value
 
 
+def next_power_of_2(n: int) -> int:
+    """The launchers' host-side form (``triton.next_power_of_2`` is a jit function: slow to call per launch)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 # Every kernel output is allocated through this name (``_backend.new_tensor(shape, dtype, device)``, looked
 # up at call time) so that tests can poison outputs (fill them with NaN) before a launch.
 new_tensor = torch.empty

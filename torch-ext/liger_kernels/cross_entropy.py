@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from . import _backend
-from ._backend import constexpr, jit, tl, triton, use_triton
+from ._backend import constexpr, jit, tl, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 MAX_BLOCK = 4096  # vocabulary columns per loop step: 16 per thread at 8 warps
@@ -317,8 +317,8 @@ def _row_stride(scale: torch.Tensor) -> int:
 def _blocks(n_cols: int) -> dict:
     # The trip count is a constexpr (one compilation per vocabulary size): Triton's interpreter cannot loop
     # over a runtime bound.
-    block = min(MAX_BLOCK, triton.next_power_of_2(max(n_cols, 1)))
-    return {"BLOCK": block, "N_BLOCKS": triton.cdiv(n_cols, block)}
+    block = min(MAX_BLOCK, _backend.next_power_of_2(max(n_cols, 1)))
+    return {"BLOCK": block, "N_BLOCKS": -(-n_cols // block)}
 
 
 def _stats_triton(logits, target, ce_weight, weight_total, opts: Options, lse, ce, z, pred):

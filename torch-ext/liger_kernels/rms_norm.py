@@ -40,7 +40,7 @@ import numbers
 import torch
 
 from . import _backend
-from ._backend import constexpr, jit, tl, triton
+from ._backend import constexpr, jit, tl
 from ._gated import NAMESPACE
 
 OP = "rms_norm"
@@ -103,13 +103,7 @@ def _needs_composite(x: torch.Tensor, weight: torch.Tensor) -> bool:
     DTensor), and exported programs: they get the differentiable PyTorch form, which dispatches as usual."""
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     plain = (torch.Tensor, torch.nn.Parameter)
-    return (
-        type(x) not in plain
-        or type(weight) not in plain
-        or wrapped(x)
-        or wrapped(weight)
-        or _backend.exporting()
-    )
+    return type(x) not in plain or type(weight) not in plain or wrapped(x) or wrapped(weight) or _backend.exporting()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -282,9 +276,16 @@ def _rms_norm_backward_kernel(
 
 
 # The weight gradient: the programs' partial sums added in a fixed order (deterministic), and cast to the
-# weight's dtype in the same pass; one launch where torch's sum and cast would take two.
-SUM_BLOCK_COLS = 32
-SUM_BLOCK_PARTIALS = 32
+# weight's dtype in the same pass; one launch where torch's sum and cast would take two. Each program loads
+# all partial rows of its columns at once (up to SUM_MAX_PARTIALS rows a step): the kernel is short, so one
+# round trip to memory instead of several is most of its time.
+SUM_TILE = 2048
+SUM_MAX_PARTIALS = 512
+
+
+def _sum_config(programs: int) -> tuple[int, int]:
+    block_partials = min(_backend.next_power_of_2(programs), SUM_MAX_PARTIALS)
+    return block_partials, max(1, SUM_TILE // block_partials)
 
 
 @jit
@@ -327,7 +328,7 @@ def _config(n_cols: int):
     config = _CONFIGS.get(n_cols)
     if config is None:
         one_block = n_cols <= MAX_BLOCK_COLS
-        block_cols = triton.next_power_of_2(n_cols) if one_block else MAX_BLOCK_COLS
+        block_cols = _backend.next_power_of_2(n_cols) if one_block else MAX_BLOCK_COLS
         forward_rows = min(MAX_BLOCK_ROWS, max(1, FORWARD_TILE // block_cols)) if one_block else 1
         backward_rows = min(MAX_BLOCK_ROWS, max(1, BACKWARD_TILE // block_cols)) if one_block else 1
         backward_warps = _warps(backward_rows * block_cols)
@@ -460,8 +461,9 @@ def _backward_triton(d_y, x, weight, rstd, offset, llama, needs_x, needs_w):
     d_weight = None
     if needs_w:
         d_weight = _backend.new_tensor((n_cols,), dtype=weight.dtype, device=x.device)
-        _sum_partials_kernel[(_cdiv(n_cols, SUM_BLOCK_COLS),)](
-            partial, d_weight, programs, n_cols, BLOCK_PARTIALS=SUM_BLOCK_PARTIALS, BLOCK_COLS=SUM_BLOCK_COLS
+        block_partials, block_cols = _sum_config(programs)
+        _sum_partials_kernel[(_cdiv(n_cols, block_cols),)](
+            partial, d_weight, programs, n_cols, BLOCK_PARTIALS=block_partials, BLOCK_COLS=block_cols
         )
     return (d_x if needs_x else None), d_weight
 

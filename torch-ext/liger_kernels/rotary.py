@@ -270,10 +270,6 @@ TILE = 2048  # elements of one half-tile (BLOCK_H x BLOCK_D): 16 per thread with
 NUM_WARPS = 4
 
 
-def _next_power_of_2(n: int) -> int:  # triton.next_power_of_2 is a jit function: slow to call from the host
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
 def _collapse(dims: list[int], tensors) -> list[tuple[int, list[int]]]:
     """(size, per-tensor stride) for ``dims`` (same sizes in every tensor), merging neighbours that every
     tensor lays out as one strided dim."""
@@ -301,7 +297,7 @@ def _head_args(x, out, cos, max_block_h):
         groups.insert(0, (1, [0, 0]))
     (outer_size, (x_outer, out_outer)), (inner_size, (x_inner, out_inner)) = groups
     heads = outer_size * inner_size
-    block = min(_next_power_of_2(heads), max_block_h)
+    block = min(_backend.next_power_of_2(heads), max_block_h)
     return (heads, inner_size, x_outer, x_inner, out_outer, out_inner), outer_size > 1, block, -(-heads // block)
 
 
@@ -313,7 +309,7 @@ def _launch_triton(q, k, q_out, k_out, cos, sin, backward: bool) -> bool:
     n = ref.dim()
     cos, sin = cos[(None,) * (n - cos.dim())], sin[(None,) * (n - sin.dim())]
     half = ref.shape[-1] // 2
-    block_d = _next_power_of_2(half)
+    block_d = _backend.next_power_of_2(half)
     max_block_h = max(1, TILE // block_d)
     q_args = _head_args(q, q_out, cos, max_block_h)
     k_args = _head_args(k, k_out, cos, max_block_h)
