@@ -158,32 +158,61 @@ def _chunks(x, w, b):
         yield start, stop, logits
 
 
+# The weight-gradient accumulator is held in slabs of vocabulary rows, so that converting it to the weight's
+# dtype at the end never holds the whole fp32 accumulator and the whole converted copy at once: each slab is
+# converted and freed in turn (the pieces are then joined), and the conversion peaks below the loop.
+SLAB_BYTES = 256 << 20
+
+
 def _accumulators(x, w, dtype, accum_dtype, needs, device):
+    """(grad_x, grad_w, grad_b); grad_w is a list of (first vocab row, fp32 slab) or None."""
     n_rows, hidden, vocab = x.shape[0], x.shape[1], w.shape[0]
     acc = accum_dtype or torch.promote_types(torch.float32, dtype)
     grad_x = _backend.new_tensor((n_rows, hidden), dtype=dtype, device=device) if needs[0] else None
-    grad_w = torch.zeros((vocab, hidden), dtype=acc, device=device) if needs[1] else None
+    grad_w = None
+    if needs[1]:
+        rows = vocab if acc == w.dtype else max(1, SLAB_BYTES // max(hidden * acc.itemsize, 1))
+        grad_w = [(start, torch.zeros((min(rows, vocab - start), hidden), dtype=acc, device=device))
+                  for start in range(0, vocab, rows)]  # fmt: skip
     grad_b = torch.zeros((vocab,), dtype=acc, device=device) if needs[2] else None
     return grad_x, grad_w, grad_b
+
+
+def _add_product(acc, grad_logits_t, x_rows):
+    """acc += grad_logits_t @ x_rows, the product formed at the accumulator's precision."""
+    if grad_logits_t.dtype == acc.dtype:
+        acc.addmm_(grad_logits_t, x_rows)
+    elif acc.device.type == "cuda" and torch.version.cuda is not None and acc.dtype == torch.float32:
+        # bf16/fp16 operands, fp32 accumulator: cuBLAS adds the product in fp32, no V x H temporary
+        torch.addmm(acc, grad_logits_t, x_rows, out_dtype=torch.float32, out=acc)
+    else:  # upcast the chunk (rows x V), never the V x H product
+        acc.addmm_(grad_logits_t.to(acc.dtype), x_rows.to(acc.dtype))
 
 
 def _accumulate(grad_logits, x_rows, w, grad_x_rows, grad_w, grad_b):
     if grad_x_rows is not None:
         torch.mm(grad_logits, w, out=grad_x_rows)
     if grad_w is not None:
-        if grad_logits.dtype == grad_w.dtype:
-            grad_w.addmm_(grad_logits.t(), x_rows)
-        elif grad_w.device.type == "cuda" and torch.version.cuda is not None and grad_w.dtype == torch.float32:
-            # bf16/fp16 operands, fp32 accumulator: cuBLAS adds the product in fp32, no V x H temporary
-            torch.addmm(grad_w, grad_logits.t(), x_rows, out_dtype=torch.float32, out=grad_w)
-        else:  # upcast the chunk (rows x V), never the V x H product
-            grad_w.addmm_(grad_logits.t().to(grad_w.dtype), x_rows.to(grad_w.dtype))
+        for start, slab in grad_w:
+            _add_product(slab, grad_logits[:, start : start + slab.shape[0]].t(), x_rows)
     if grad_b is not None:
         grad_b += grad_logits.sum(0, dtype=grad_b.dtype)
 
 
 def _returned(grad, like):
     return None if grad is None else grad.to(like.dtype).view(like.shape)
+
+
+def _returned_weight(grad_w, weight):
+    """The slabs joined in the weight's dtype; each slab is freed as soon as it is converted."""
+    if grad_w is None:
+        return None
+    if len(grad_w) == 1:
+        return _returned(grad_w.pop()[1], weight)
+    pieces = []
+    while grad_w:
+        pieces.append(grad_w.pop(0)[1].to(weight.dtype))
+    return torch.cat(pieces).view(weight.shape)
 
 
 def forward_core(
@@ -209,6 +238,7 @@ def forward_core(
         else:
             _ce.row_stats_and_grad(logits, rows_t, ce_weight, weight_total, opts, pred is not None, *scales, out=out)
             _accumulate(logits, x[start:stop], w, None if grad_x is None else grad_x[start:stop], grad_w, grad_b)
+        del logits  # the chunk buffer goes before the gradients are converted
     loss, z_loss, accuracy = _ce.reduce_rows(ce, z, pred, t, ce_weight, opts, want_accuracy, target.shape)
     return (
         loss,
@@ -217,7 +247,7 @@ def forward_core(
         pred,
         lse,
         _returned(grad_x, input),
-        _returned(grad_w, weight),
+        _returned_weight(grad_w, weight),
         _returned(grad_b, bias),
     )
 
@@ -232,7 +262,8 @@ def backward_rows_core(d_loss, input, weight, target, bias, ce_weight, lse, opts
         d = d_rows[start:stop]
         _ce.row_grad(logits, t[start:stop], ce_weight, weight_total, lse[start:stop], d, d, opts, grad=logits)
         _accumulate(logits, x[start:stop], w, None if grad_x is None else grad_x[start:stop], grad_w, grad_b)
-    return _returned(grad_x, input), _returned(grad_w, weight), _returned(grad_b, bias)
+        del logits
+    return _returned(grad_x, input), _returned_weight(grad_w, weight), _returned(grad_b, bias)
 
 
 def composite(input, weight, target, bias, ce_weight, opts: Options, want_pred, want_accuracy):
