@@ -150,7 +150,10 @@ def host_us(fn, device, calls=None, warmup=None):
 
 def phases(fn, q, k, cos, sin):
     """(forward, backward) closures. The forward runs without grad; the backward reuses one forward's graph
-    (retain_graph), made on first call, i.e. on the stream the timing runs on."""
+    (retain_graph), made on first call, i.e. on the stream the timing runs on. The gradients are taken for
+    aliases of q and k made there too: autograd runs a node's backward on the stream its forward ran on, and
+    the views make_inputs made on the default stream would have the captured backward wait on that stream,
+    which a CUDA-graph capture refuses (the inputs' layout is the views' own)."""
     d_q = torch.randn(q.shape, device=q.device, dtype=q.dtype)
     d_k = torch.randn(k.shape, device=k.device, dtype=k.dtype)
     holder = {}
@@ -161,8 +164,9 @@ def phases(fn, q, k, cos, sin):
 
     def backward():
         if "out" not in holder:
-            holder["out"] = fn(q, k, cos, sin)
-        torch.autograd.grad(holder["out"], (q, k), (d_q, d_k), retain_graph=True)
+            holder["inputs"] = (q[...], k[...])
+            holder["out"] = fn(*holder["inputs"], cos, sin)
+        torch.autograd.grad(holder["out"], holder["inputs"], (d_q, d_k), retain_graph=True)
 
     return forward, backward, holder
 
