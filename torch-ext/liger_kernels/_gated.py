@@ -334,9 +334,11 @@ def transforms_active(*tensors) -> bool:
 
 
 def may_write_over(gate, up) -> bool:
-    """Whether backward may write gradients over ``gate`` and ``up`` (see above)."""
+    """Whether backward may write gradients over ``gate`` and ``up`` (see above). Plain tensors only: a tensor
+    subclass (the fake and functional tensors torch.compile traces with, DTensor) has no storage of its own
+    to compare, and is never written over."""
     for t in (gate, up):
-        if t.grad_fn is None or (t._base is not None and t._base.grad_fn is None):
+        if type(t) is not torch.Tensor or t.grad_fn is None or (t._base is not None and t._base.grad_fn is None):
             return False
         if torch._debug_has_internal_overlap(t) != 0:  # expanded (stride-0) or otherwise self-overlapping
             return False
