@@ -336,6 +336,20 @@ def test_strided_inputs_reach_the_kernel_uncopied(lk, layout, monkeypatch):
     assert [t.data_ptr() for t in backward[:2]] == [d_q.data_ptr(), d_k.data_ptr()]
 
 
+def test_launch_plans_are_per_layout_and_bounded(lk, monkeypatch):
+    """Plans are cached by shapes and strides: one layout after another (each checked against float64) never
+    reuses another's plan, and the cache stays within MAX_PLANS."""
+    monkeypatch.setattr(lk.rotary, "_PLANS", {})
+    monkeypatch.setattr(lk.rotary, "MAX_PLANS", 2)
+    with backend("triton"):
+        for layout in ("bshd_transposed", "fused_qkv", "bshd", "bshd_transposed"):
+            q, k, cos, sin, dim, _ = make_case(layout, torch.float32, batch=2, seq=5, n_q=4, n_k=2, dim=16)
+            ours, ref = run_both(lk, q, k, cos, sin, dim)
+            for name, got, want in zip(NAMES, ours, ref):
+                assert rel_err(got, want) < 1e-6, (layout, name)
+            assert 1 <= len(lk.rotary._PLANS) <= 2
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_outputs_are_fresh_and_inputs_untouched(lk, layout, backend_name):
     """Callers may read q, k, cos, sin and the output gradients after the call and after backward."""

@@ -301,10 +301,9 @@ def _head_args(x, out, cos, max_block_h):
     return (heads, inner_size, x_outer, x_inner, out_outer, out_inner), outer_size > 1, block, -(-heads // block)
 
 
-def _launch_triton(q, k, q_out, k_out, cos, sin, backward: bool) -> bool:
-    """Run the kernel over q and k (either may be None, with its output: that side is skipped). Returns
-    False, having launched nothing, for a layout it does not take: more than two token or head dims left
-    after merging neighbours."""
+def _plan(q, k, q_out, k_out, cos, sin, backward: bool):
+    """(grid, scalar arguments, constexpr arguments) of the launch, or None for a layout the kernel does not
+    take: more than two token or head dims left after merging neighbours."""
     ref = q if q is not None else k
     n = ref.dim()
     cos, sin = cos[(None,) * (n - cos.dim())], sin[(None,) * (n - sin.dim())]
@@ -316,29 +315,51 @@ def _launch_triton(q, k, q_out, k_out, cos, sin, backward: bool) -> bool:
     tensors = [t if t is not None else ref for t in (q, k, q_out, k_out)] + [cos, sin]
     tokens = _collapse([d for d in range(n - 1) if cos.shape[d] != 1], tensors)
     if q_args is None or k_args is None or len(tokens) > 2:
-        return False
+        return None
     while len(tokens) < 2:
         tokens.insert(0, (1, [0] * 6))
     (outer_tokens, outer_strides), (inner_tokens, inner_strides) = tokens
     token_strides = [s for pair in zip(outer_strides, inner_strides) for s in pair]
-    _rotary_kernel[(outer_tokens * inner_tokens,)](
-        *tensors,
-        inner_tokens,
-        *token_strides,
-        *q_args[0],
-        *k_args[0],
-        HALF=half,
-        BLOCK_D=block_d,
-        HALF_WIDTH_COS=cos.shape[-1] == half,
-        BACKWARD=backward,
-        Q_TWO_HEAD_DIMS=q_args[1],
-        K_TWO_HEAD_DIMS=k_args[1],
-        BLOCK_HQ=q_args[2],
-        BLOCK_HK=k_args[2],
-        Q_BLOCKS=q_args[3],
-        K_BLOCKS=k_args[3],
-        num_warps=NUM_WARPS,
-    )
+    constexprs = {
+        "HALF": half,
+        "BLOCK_D": block_d,
+        "HALF_WIDTH_COS": cos.shape[-1] == half,
+        "BACKWARD": backward,
+        "Q_TWO_HEAD_DIMS": q_args[1],
+        "K_TWO_HEAD_DIMS": k_args[1],
+        "BLOCK_HQ": q_args[2],
+        "BLOCK_HK": k_args[2],
+        "Q_BLOCKS": q_args[3],
+        "K_BLOCKS": k_args[3],
+        "num_warps": NUM_WARPS,
+    }
+    return (outer_tokens * inner_tokens,), (inner_tokens, *token_strides, *q_args[0], *k_args[0]), constexprs
+
+
+# Launch plans depend on the tensors' shapes and strides only: computed once per layout, since the host's
+# cost per call is the whole story at decoding sizes. Bounded: training with varying lengths meets many.
+_PLANS = {}
+MAX_PLANS = 1024
+
+
+def _launch_triton(q, k, q_out, k_out, cos, sin, backward: bool) -> bool:
+    """Run the kernel over q and k (either may be None, with its output: that side is skipped). Returns
+    False, having launched nothing, for a layout it does not take (see ``_plan``)."""
+    layout = [backward]
+    for t in (q, k, q_out, k_out, cos, sin):
+        layout += (None, None) if t is None else (t.shape, t.stride())
+    key = tuple(layout)
+    plan = _PLANS.get(key, False)
+    if plan is False:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(q, k, q_out, k_out, cos, sin, backward)
+    if plan is None:
+        return False
+    grid, scalars, constexprs = plan
+    ref = q if q is not None else k
+    tensors = [t if t is not None else ref for t in (q, k, q_out, k_out)]
+    _rotary_kernel[grid](*tensors, cos, sin, *scalars, **constexprs)
     return True
 
 
