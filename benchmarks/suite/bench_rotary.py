@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -61,7 +62,13 @@ def implementations():
     def eager(q, k, cos, sin):
         return transformers_rope(q, k, cos, sin)
 
-    def original(q, k, cos, sin):  # the function itself, for torch.compile (no module call in the graph)
+    # The function itself, for torch.compile (no module call in the graph). Recent transformers wrap it in a
+    # kernelize-able module instance; older ones (5.17) export the plain function.
+    plain = transformers_rope if isinstance(transformers_rope, types.FunctionType) else None
+
+    def original(q, k, cos, sin):
+        if plain is not None:
+            return plain(q, k, cos, sin)
         return type(transformers_rope).forward(None, q, k, cos, sin)
 
     impls = {
