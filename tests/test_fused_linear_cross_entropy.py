@@ -79,6 +79,20 @@ def eager_bf16(x, weight, target, reduction="mean"):
     return F.cross_entropy(logits.float(), target, reduction=reduction)
 
 
+def test_weight_gradient_slabs_only_where_a_conversion_follows(lk, monkeypatch):
+    """The accumulator is split only when it is converted at the end: not for fp32 weights under bf16 autocast
+    (the fp32 sums are the returned gradient), nor when accum_dtype is the weight's; and slabs of 8 rows or
+    more start on multiples of 8 rows."""
+    flce = lk.fused_linear_cross_entropy
+    monkeypatch.setattr(flce, "SLAB_BYTES", 21 * 32 * 4)
+    x, w = torch.randn(4, 32), torch.randn(96, 32, dtype=torch.bfloat16)
+    needs = (True, True, False)
+    assert len(flce._accumulators(x, w, torch.float32, torch.bfloat16, None, needs, "cpu")[1]) == 1
+    assert len(flce._accumulators(x, w, torch.bfloat16, torch.bfloat16, torch.bfloat16, needs, "cpu")[1]) == 1
+    slabs = flce._accumulators(x, w, torch.bfloat16, torch.bfloat16, None, needs, "cpu")[1]
+    assert [start for start, _ in slabs] == [0, 16, 32, 48, 64, 80] and sum(t.shape[0] for _, t in slabs) == 96
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("slab_rows", [None, 7])
 def test_bfloat16_no_worse_than_eager(lk, backend_name, reduction, slab_rows, monkeypatch):

@@ -164,37 +164,48 @@ def _chunks(x, w, b):
 SLAB_BYTES = 256 << 20
 
 
-def _accumulators(x, w, dtype, accum_dtype, needs, device):
-    """(grad_x, grad_w, grad_b); grad_w is a list of (first vocab row, fp32 slab) or None."""
+def _accumulators(x, w, weight_dtype, dtype, accum_dtype, needs, device):
+    """(grad_x, grad_w, grad_b); grad_w is a list of (first vocab row, accumulator slab) or None: one slab
+    where the accumulator is already in the dtype returned (``weight_dtype``, the parameter's own)."""
     n_rows, hidden, vocab = x.shape[0], x.shape[1], w.shape[0]
     acc = accum_dtype or torch.promote_types(torch.float32, dtype)
     grad_x = _backend.new_tensor((n_rows, hidden), dtype=dtype, device=device) if needs[0] else None
     grad_w = None
     if needs[1]:
-        rows = vocab if acc == w.dtype else max(1, SLAB_BYTES // max(hidden * acc.itemsize, 1))
+        rows = vocab
+        if acc != weight_dtype:
+            rows = max(1, SLAB_BYTES // max(hidden * acc.itemsize, 1))
+            rows -= rows % 8 if rows >= 8 else 0  # slab starts 16-byte aligned in a bf16 chunk, for cuBLAS
         grad_w = [(start, torch.zeros((min(rows, vocab - start), hidden), dtype=acc, device=device))
                   for start in range(0, vocab, rows)]  # fmt: skip
     grad_b = torch.zeros((vocab,), dtype=acc, device=device) if needs[2] else None
     return grad_x, grad_w, grad_b
 
 
-def _add_product(acc, grad_logits_t, x_rows):
-    """acc += grad_logits_t @ x_rows, the product formed at the accumulator's precision."""
-    if grad_logits_t.dtype == acc.dtype:
-        acc.addmm_(grad_logits_t, x_rows)
-    elif acc.device.type == "cuda" and torch.version.cuda is not None and acc.dtype == torch.float32:
-        # bf16/fp16 operands, fp32 accumulator: cuBLAS adds the product in fp32, no V x H temporary
-        torch.addmm(acc, grad_logits_t, x_rows, out_dtype=torch.float32, out=acc)
-    else:  # upcast the chunk (rows x V), never the V x H product
-        acc.addmm_(grad_logits_t.to(acc.dtype), x_rows.to(acc.dtype))
+def _cublas_sums_in_fp32(acc: torch.Tensor, operand_dtype: torch.dtype) -> bool:
+    # bf16/fp16 operands, fp32 accumulator: cuBLAS adds the product in fp32, no V x H temporary
+    return (
+        operand_dtype != acc.dtype
+        and acc.dtype == torch.float32
+        and acc.device.type == "cuda"
+        and (torch.version.cuda is not None)
+    )
 
 
 def _accumulate(grad_logits, x_rows, w, grad_x_rows, grad_w, grad_b):
     if grad_x_rows is not None:
         torch.mm(grad_logits, w, out=grad_x_rows)
     if grad_w is not None:
+        acc_dtype = grad_w[0][1].dtype
+        cublas = _cublas_sums_in_fp32(grad_w[0][1], grad_logits.dtype)
+        upcast = grad_logits.dtype != acc_dtype and not cublas
+        x_acc = x_rows.to(acc_dtype) if upcast else x_rows  # once per chunk, not per slab
         for start, slab in grad_w:
-            _add_product(slab, grad_logits[:, start : start + slab.shape[0]].t(), x_rows)
+            part = grad_logits[:, start : start + slab.shape[0]].t()
+            if cublas:
+                torch.addmm(slab, part, x_acc, out_dtype=torch.float32, out=slab)
+            else:  # same dtype, or the chunk's slice upcast (rows x slab), never the V x H product
+                slab.addmm_(part.to(acc_dtype) if upcast else part, x_acc)
     if grad_b is not None:
         grad_b += grad_logits.sum(0, dtype=grad_b.dtype)
 
@@ -227,7 +238,9 @@ def forward_core(
     lse, ce, z = (new((n_rows,), dtype=loss_dtype, device=device) for _ in range(3))
     pred = new((n_rows,), dtype=torch.int64, device=device) if want_pred or want_accuracy else None
     grads_now = opts.reduction != "none" and any(needs)
-    grad_x, grad_w, grad_b = _accumulators(x, w, dtype, accum_dtype, needs if grads_now else (False,) * 3, device)
+    grad_x, grad_w, grad_b = _accumulators(
+        x, w, weight.dtype, dtype, accum_dtype, needs if grads_now else (False,) * 3, device
+    )
     scales = _ce.row_scales(t, ce_weight, opts, loss_dtype) if grads_now else None
     weight_total = _ce.class_weight_total(ce_weight)
     for start, stop, logits in _chunks(x, w, b):
@@ -256,7 +269,7 @@ def backward_rows_core(d_loss, input, weight, target, bias, ce_weight, lse, opts
     """reduction="none": the gradients for per-row incoming gradients ``d_loss``, the chunks recomputed."""
     x, w, t, b = _prepare(input, weight, target, bias, dtype)
     d_rows = d_loss.reshape(-1).to(lse.dtype).contiguous()
-    grad_x, grad_w, grad_b = _accumulators(x, w, dtype, accum_dtype, needs, x.device)
+    grad_x, grad_w, grad_b = _accumulators(x, w, weight.dtype, dtype, accum_dtype, needs, x.device)
     weight_total = _ce.class_weight_total(ce_weight)
     for start, stop, logits in _chunks(x, w, b):
         d = d_rows[start:stop]
