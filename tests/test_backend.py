@@ -87,6 +87,9 @@ def test_an_eager_call_reads_no_environment_and_allocates_only_its_outputs(lk, n
 # still reach the package's ops while exported programs still hold aten ops only.
 
 
+OPS_UNDER_TEST = ["rms_norm", "rotary", "silu_mul", "fused_linear_cross_entropy", "cross_entropy"]
+
+
 def _op_calls(lk):
     x = torch.randn(6, 32, requires_grad=True)
     weight = torch.randn(32, requires_grad=True)
@@ -100,6 +103,7 @@ def _op_calls(lk):
         "silu_mul": (lambda a, b: lk.silu_mul(a, b), (x, x * 2)),
         "fused_linear_cross_entropy": (lambda x, w: lk.liger_fused_linear_cross_entropy(x, w, target), (x, head)),
         "cross_entropy": (lambda x, w: lk.cross_entropy.cross_entropy(x @ w.T, target), (x, head)),
+        "LigerRMSNormFunction": (lambda x, w: lk.LigerRMSNormFunction.apply(x, w, 1e-6), (x, weight)),
     }
 
 
@@ -122,7 +126,7 @@ def _package_targets(lk, graph) -> set:
     return {str(n.target) for n in graph.nodes if n.op == "call_function" and lk.__name__ in str(n.target)}
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "rotary", "silu_mul", "fused_linear_cross_entropy", "cross_entropy"])
+@pytest.mark.parametrize("op", OPS_UNDER_TEST)
 def test_compile_reaches_the_ops_where_dynamo_says_exporting(lk, op, dynamo_says_exporting):
     fn, args = _op_calls(lk)[op]
     graphs = []
@@ -136,7 +140,7 @@ def test_compile_reaches_the_ops_where_dynamo_says_exporting(lk, op, dynamo_says
 
 
 @pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize("op", ["rms_norm", "rotary", "silu_mul", "fused_linear_cross_entropy", "cross_entropy"])
+@pytest.mark.parametrize("op", [*OPS_UNDER_TEST, "LigerRMSNormFunction"])
 def test_export_holds_aten_ops_only(lk, op, strict):
     fn, args = _op_calls(lk)[op]
     args = tuple(a.detach() for a in args)

@@ -1,9 +1,9 @@
 """How a tiled call is laid out: whether it tiles at all, how many shards, and where they start.
 
 * The shard count is a function of the shapes alone, so it needs no communication: ceil(S / H) shards, so
-  that each shard's S x I intermediates are about the size of one weight matrix, and at most MAX_AUTO_SHARDS
-  (each shard is a Python-level loop step with its own launches: H = 2 and S = 100k would otherwise run
-  50,000 of them).
+  that each shard's S x I intermediates are about the size of one weight matrix; but no shard shorter than
+  MIN_SHARD_TOKENS, below which the GEMMs lose efficiency and each shard's own host cost (a Python-level loop
+  step with its own launches) shows; and at most MAX_AUTO_SHARDS.
 * Under torch.distributed no collective runs, except where the parameters are gathered inside each shard
   (DeepSpeed ZeRO-3 parameters, or FSDP2 units inside the MLP): there ranks must run the same number of
   shards or a rank would wait forever in a gather, so the count is the maximum over ranks. Such engines
@@ -23,6 +23,11 @@ from ._gated import transforms_active
 
 OP = "apply_tiled_mlp"
 MAX_AUTO_SHARDS = 100
+# Measured on an H200 (benchmarks/NOTES.md §13): bf16 GEMMs of M = 1024 rows run at 60-75% of their large-M
+# rate for H = 1024 and M = 2048 at 85%; each shard costs ~0.5 ms of host time. At H 1024, I 2816 and S 8192,
+# 4 shards of 2048 tokens take 3.2 ms where ceil(S / H) = 8 shards took 5.5. From H = 2048 on, ceil(S / H)
+# shards are already at least this long.
+MIN_SHARD_TOKENS = 2048
 
 
 def check_num_shards(num_shards) -> int | None:
@@ -34,9 +39,9 @@ def check_num_shards(num_shards) -> int | None:
 
 
 def auto_num_shards(x: torch.Tensor) -> int:
-    """min(ceil(S / H), MAX_AUTO_SHARDS), at least 1."""
+    """min(ceil(S / H), S // MIN_SHARD_TOKENS, MAX_AUTO_SHARDS), at least 1 (see the module docstring)."""
     seq_len, hidden = x.shape[-2], x.shape[-1]
-    return max(1, min(math.ceil(seq_len / max(hidden, 1)), MAX_AUTO_SHARDS))
+    return max(1, min(math.ceil(seq_len / max(hidden, 1)), seq_len // MIN_SHARD_TOKENS, MAX_AUTO_SHARDS))
 
 
 def num_shards_for(requested: int | None, x: torch.Tensor, gathers_per_shard: bool) -> int:

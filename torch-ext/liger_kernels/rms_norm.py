@@ -612,7 +612,11 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, llama):
         ctx.triton = None
-        if torch.compiler.is_compiling():
+        if _backend.exporting():  # the public Function under torch.export: aten ops only, as rms_norm
+            ctx.triton = False
+            y, rstd = _forward_torch(x, weight, eps, offset, llama)
+            rstd = rstd.reshape(-1)
+        elif torch.compiler.is_compiling():
             y, rstd = rms_norm_forward_op(x, weight, eps, offset, llama)
         else:
             ctx.triton = _use_triton(x, weight)  # asked once for both passes (it reads the environment)
