@@ -74,3 +74,45 @@ def test_cuda_compiled_kernelized_llama_equals_eager(lk, variant_root, tagged, m
     assert abs(got[0].item() - want[0].item()) < 1e-4
     for g, w in zip(got[1], want[1]):
         assert ((g - w).norm() / w.norm()).item() < 1e-4
+
+
+def _attribute_float_calls(lk):
+    """Ops called with floats read from module attributes, which torch.compile(dynamic=True) makes symbolic."""
+    target = torch.randint(0, 40, (6,))
+
+    class Norm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(32))
+            self.variance_epsilon, self.offset = 1e-6, 0.5
+
+        def forward(self, x):
+            return lk.rms_norm(x, self.weight, self.variance_epsilon, self.offset, "gemma")
+
+    class Loss(torch.nn.Module):
+        def __init__(self, fused):
+            super().__init__()
+            self.head = torch.nn.Parameter(torch.randn(40, 32))
+            self.smoothing, self.z_scale, self.fused = 0.1, 1e-4, fused
+
+        def forward(self, x):
+            options = dict(label_smoothing=self.smoothing, lse_square_scale=self.z_scale)
+            if self.fused:
+                return lk.liger_fused_linear_cross_entropy(x, self.head, target, **options)
+            return lk.cross_entropy.cross_entropy(x @ self.head.T, target, **options)
+
+    return {"rms_norm": Norm(), "fused_linear_cross_entropy": Loss(True), "cross_entropy": Loss(False)}
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "fused_linear_cross_entropy", "cross_entropy"])
+def test_dynamic_compile_with_float_attributes(lk, op):
+    """Float attributes become symbolic under dynamic=True: the checks trace them (no graph break) and the
+    result and gradients equal eager."""
+    module = _attribute_float_calls(lk)[op]
+    x = torch.randn(6, 32, requires_grad=True)
+    want = module(x)
+    want_grads = torch.autograd.grad(want.sum(), (x, *module.parameters()))
+    got = torch.compile(module, dynamic=True, fullgraph=True)(x)
+    got_grads = torch.autograd.grad(got.sum(), (x, *module.parameters()))
+    for g, w in zip((got, *got_grads), (want, *want_grads)):
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
