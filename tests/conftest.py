@@ -42,6 +42,16 @@ def poison(request):
         yield
 
 
+@pytest.fixture(autouse=True)
+def tiny_shards(request, monkeypatch):
+    """The tests' MLPs are tiny (S of tens to hundreds of tokens), far below the automatic shard count's minimum
+    shard length: with it lowered to one token, automatic calls still tile as they would at real sizes, so the
+    tiled machinery is what runs. Tests of the policy itself are marked ``shard_policy`` and see the real one."""
+    if "lk" in request.fixturenames and "shard_policy" not in request.keywords:
+        monkeypatch.setattr(request.getfixturevalue("lk")._tiling, "MIN_SHARD_TOKENS", 1)
+    yield
+
+
 @pytest.fixture
 def tagged():
     """Users tag the MLP classes themselves: no transformers model tags its MLP as SwiGLUMLP/GeGLUMLP."""

@@ -14,6 +14,14 @@ import torch.distributed as dist
 from ddp_demo import GatedMLP
 
 
+def _package(variant_root):
+    """The package as kernels loads it, with the tests' one-token minimum shard (conftest.tiny_shards): these
+    workers run in their own processes, and their tiny MLPs must tile as real ones would."""
+    lk = kernels.get_local_kernel(Path(variant_root))
+    lk._tiling.MIN_SHARD_TOKENS = 1
+    return lk
+
+
 @contextlib.contextmanager
 def gloo_group(rank, world, port, seconds=60, backend="gloo"):
     """A process group (gloo on CPU; nccl with LIGER_TEST_DIST_BACKEND=nccl on a machine with two GPUs),
@@ -39,7 +47,7 @@ def uneven_sequences(rank, world, port, variant_root, options, out_dir):
     rank runs its own shard count and no collective at all (a collective would pair with the logging
     all_reduce that follows, or hang)."""
     with gloo_group(rank, world, port, seconds=30):
-        lk = kernels.get_local_kernel(Path(variant_root))
+        lk = _package(variant_root)
         torch.manual_seed(rank)
         module = GatedMLP(64, 96).double()
         calls = []
@@ -76,7 +84,7 @@ def rank_subset_calls(rank, world, port, variant_root, options, out_dir):
     """Only rank 0 runs the tiled layer of a model kernelized for training (evaluation, generation or
     logging on one rank), forward and backward; then every rank joins a logging all_reduce."""
     with gloo_group(rank, world, port, seconds=30):
-        lk = kernels.get_local_kernel(Path(variant_root))
+        lk = _package(variant_root)
         torch.manual_seed(0)
         module = GatedMLP(64, 96).double()
         if rank == 0:
@@ -106,7 +114,7 @@ def _models(options, variant_root, device=None):
     import copy
 
     device = torch.device("cpu") if device is None else device
-    lk = kernels.get_local_kernel(variant_root)
+    lk = _package(variant_root)
     torch.manual_seed(0)
     if options["model"] in ("llama", "llama_fused_loss"):
         from transformers import LlamaForCausalLM
@@ -205,7 +213,7 @@ def fsdp2_stale_compute_params(rank, world, port, variant_root, options, out_dir
     from torch.distributed.fsdp import fully_shard
 
     with gloo_group(rank, world, port):
-        lk = kernels.get_local_kernel(Path(variant_root))
+        lk = _package(variant_root)
 
         class CapturingMLP(GatedMLP):
             """Captures its parameters at construction, as the Hub package's tiled layers did."""
@@ -253,7 +261,7 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
 
     from deepspeed.utils import safe_get_full_grad
 
-    lk = kernels.get_local_kernel(variant_root)
+    lk = _package(variant_root)
     device = _device(options, rank)
     stage, accumulation = options["stage"], options.get("accumulation", 1)
     seq = options.get("seq", 256)
@@ -369,7 +377,7 @@ def ddp_fused_loss(rank, world, port, variant_root, options, out_dir):
     from ddp_demo import tiny_llama_config
 
     with gloo_group(rank, world, port):
-        lk = kernels.get_local_kernel(Path(variant_root))
+        lk = _package(variant_root)
         torch.manual_seed(0)
         reference = LlamaForCausalLM(tiny_llama_config()).double()
         model = copy.deepcopy(reference)

@@ -21,7 +21,7 @@ def test_ddp_tiny_llama_matches_untiled_reference(variant_root, tmp_path, case):
     """The reporter's repro: 2 ranks, a 2-layer Llama whose MLPs are LigerTiledSwiGLUMLP (4 shards each),
     two steps. Backward completes, ranks agree, and the gradients and updated weights equal an untiled
     single-process run on the global batch (float64)."""
-    options = {"steps": 2, "seq": 256, "dtype": "float64", **DDP_CASES[case]}
+    options = {"steps": 2, "seq": 256, "dtype": "float64", "num_shards": 4, **DDP_CASES[case]}
     logs = launch(run_rank, 2, variant_root, options, tmp_path)
     for log in logs:
         assert [entry["step"] for entry in log] == [0, 1]

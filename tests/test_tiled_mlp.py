@@ -85,6 +85,22 @@ def test_auto_shards_are_ceil_s_over_h(lk):
     assert calls == [49, 48, 48, 48]  # ceil(193 / 64) = 4 shards, sizes within one of each other
 
 
+@pytest.mark.shard_policy
+@pytest.mark.parametrize(
+    "seq, hidden, expected",
+    [
+        (8192, 1024, 4),  # ceil(S / H) = 8 shards of 1024 tokens: 4 of 2048 (the minimum shard length)
+        (16384, 2048, 8),  # from H = 2048 on, ceil(S / H) shards are at least that long already
+        (32768, 4096, 8),
+        (1000, 64, 1),  # shorter than one minimum shard: one shard, i.e. untiled
+        (10**6, 4, 100),  # at most MAX_AUTO_SHARDS
+    ],
+)
+def test_automatic_shard_count(lk, seq, hidden, expected):
+    assert lk._tiling.MIN_SHARD_TOKENS == 2048
+    assert lk._tiling.auto_num_shards(torch.empty(1, seq, hidden, device="meta")) == expected
+
+
 @pytest.mark.parametrize("num_shards", [0, -2, 2.0, True, "4"])
 def test_bad_num_shards(lk, num_shards):
     with pytest.raises(ValueError, match="`num_shards` must be None"):
