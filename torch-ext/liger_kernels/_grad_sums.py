@@ -1,14 +1,28 @@
-"""Weight-gradient sums over shards: in fp32 (fp64 for fp64) whatever the parameters' dtype, cast once."""
+"""Weight-gradient sums over shards: in fp32 (fp64 for fp64) whatever the parameters' dtype, cast once; or,
+for bf16/fp16 parameters over at most MAX_NARROW_SUM_SHARDS shards, in the parameters' own dtype.
+
+Against float64, summing bf16 weight gradients in bf16 (each shard's product added in one rounding) gave
+1.22x the untiled bf16 error over 2 shards, 1.58x over 4, 2.1x over 8 and 5.7x over 64 (H 256, I 512, 8192
+tokens); the contract is 1.5x. Up to 2 shards the fp32 sums (3 H I x 4 bytes for a gated MLP, twice the
+weights) are not needed, and tiling then saves memory wherever it splits the activations at all."""
 
 import torch
 
+MAX_NARROW_SUM_SHARDS = 2
+NARROW = (torch.bfloat16, torch.float16)
 
-def accumulate(total, grad):
-    """total + grad, the sum kept wide."""
+
+def narrow_sums(num_shards: int, dtype: torch.dtype) -> bool:
+    """Whether gradients of a ``dtype`` parameter over ``num_shards`` shards are summed in ``dtype`` itself."""
+    return dtype in NARROW and num_shards <= MAX_NARROW_SUM_SHARDS
+
+
+def accumulate(total, grad, narrow: bool = False):
+    """total + grad, the sum kept wide (or in grad's dtype when ``narrow``)."""
     if grad is None:
         return total
     if total is None:
-        wide = torch.promote_types(grad.dtype, torch.float32)
+        wide = grad.dtype if narrow else torch.promote_types(grad.dtype, torch.float32)
         # A tensor of our own to add into: autograd may hand back a gradient that aliases another one.
         return grad.to(wide) if grad.dtype != wide else grad.clone()
     return total.add_(grad)
@@ -31,9 +45,10 @@ def _mm_widens(device: torch.device) -> bool:
 _MM_WIDENS = {}  # device type -> bool, probed once
 
 
-def add_matmul(total, a, b):
-    """total + a @ b, total kept wide however low a and b are."""
-    wide = torch.promote_types(a.dtype, torch.float32)
+def add_matmul(total, a, b, narrow: bool = False):
+    """total + a @ b, total kept wide however low a and b are (or in a's dtype when ``narrow``: the GEMM adds
+    its fp32 product into it with one rounding)."""
+    wide = a.dtype if narrow else torch.promote_types(a.dtype, torch.float32)
     if a.dtype == wide:
         return a @ b if total is None else total.addmm_(a, b)
     if _mm_widens(a.device):

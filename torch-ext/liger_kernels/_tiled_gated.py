@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from . import _replay
 from ._gated import GatedActivation, gated_forward, gated_recompute_backward
-from ._grad_sums import accumulate, add_matmul, cast_each
+from ._grad_sums import accumulate, add_matmul, cast_each, narrow_sums
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -81,6 +81,7 @@ def gated_mlp_backward(plan: GatedPlan, params, bounds, x, d_out, want_x):
     (w_gate, b_gate), (w_up, b_up), (w_down, b_down) = plan.gate, plan.up, plan.down
     index = {id(p): i for i, p in enumerate(params)}
     sums = [None] * len(params)
+    narrow = [narrow_sums(len(bounds), p.dtype) for p in params]
 
     def slot(tensor):
         """Where ``tensor``'s gradient sum goes, or None for one that gets no gradient."""
@@ -94,15 +95,15 @@ def gated_mlp_backward(plan: GatedPlan, params, bounds, x, d_out, want_x):
         d_up = F.linear(rows, w_up, b_up)  # up, likewise
         hidden = gated_recompute_backward(d_rows @ w_down, d_gate, d_up, plan.activation)
         if (i := slot(w_down)) is not None:
-            sums[i] = add_matmul(sums[i], d_rows.t(), hidden)
+            sums[i] = add_matmul(sums[i], d_rows.t(), hidden, narrow[i])
         if (i := slot(b_down)) is not None:
-            sums[i] = accumulate(sums[i], d_rows.sum(0))
+            sums[i] = accumulate(sums[i], d_rows.sum(0), narrow[i])
         del hidden
         for (weight, bias), d_proj in (((w_gate, b_gate), d_gate), ((w_up, b_up), d_up)):
             if (i := slot(weight)) is not None:
-                sums[i] = add_matmul(sums[i], d_proj.t(), rows)
+                sums[i] = add_matmul(sums[i], d_proj.t(), rows, narrow[i])
             if (i := slot(bias)) is not None:
-                sums[i] = accumulate(sums[i], d_proj.sum(0))
+                sums[i] = accumulate(sums[i], d_proj.sum(0), narrow[i])
         if want_x:
             target = d_x.narrow(-2, start, length)
             d_x_rows = target.view(-1, x.shape[-1]) if target.is_contiguous() else None

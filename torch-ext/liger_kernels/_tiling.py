@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._gated import transforms_active
+from ._grad_sums import MAX_NARROW_SUM_SHARDS
 
 OP = "apply_tiled_mlp"
 MAX_AUTO_SHARDS = 100
@@ -144,12 +145,13 @@ def tiling_pays(tokens: int, hidden: int, intermediate: int, itemsize: int, num_
 
     Untiled, gate, up and the activation's output (the down projection's input) live from forward to
     backward, and backward adds d_hidden: about 4 x tokens x I activations. Tiled, the same four exist for one
-    shard at a time, and low-precision weights add fp32 gradient sums for the three projections
-    (3 x H x I x 4 bytes; fp32 weights sum in place). What both hold alike (x, the output, the weights'
-    gradients) cancels. Shapes only: no sync, no collective, the same answer on every rank."""
+    shard at a time, and low-precision weights over more than MAX_NARROW_SUM_SHARDS shards add fp32 gradient
+    sums for the three projections (3 x H x I x 4 bytes; fp32 weights, and bf16/fp16 ones over fewer shards,
+    sum in their own dtype: _grad_sums). What both hold alike (x, the output, the weights' gradients)
+    cancels. Shapes only: no sync, no collective, the same answer on every rank."""
     if num_shards <= 1:
         return False
     per_activation = tokens * intermediate * itemsize
     saved = 4 * per_activation * (1.0 - 1.0 / num_shards)
-    sums = 3 * hidden * intermediate * 4 if itemsize < 4 else 0
+    sums = 3 * hidden * intermediate * 4 if itemsize < 4 and num_shards > MAX_NARROW_SUM_SHARDS else 0
     return saved > sums

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import _backend, _replay, _tiling
-from ._grad_sums import accumulate, cast_each
+from ._grad_sums import accumulate, cast_each, narrow_sums
 from ._tiled_gated import gated_mlp_backward, gated_mlp_forward, gated_plan
 
 OP = _tiling.OP
@@ -219,6 +219,7 @@ class LigerTiledMLPFunction(torch.autograd.Function):
             return (None, None, d_x, None, None, None, *grads)
         d_x = torch.empty_like(x) if want_x else None
         sums = [None] * len(ctx.params)
+        narrow = [narrow_sums(len(ctx.bounds), p.dtype) for p in ctx.params]
         with _replay.replay_rng(x.device, ctx.rng), _replay.forward_tensors(ctx.tensors):
             for i, (start, length) in enumerate(ctx.bounds):
                 shard_x = x.narrow(-2, start, length).detach().requires_grad_(want_x)
@@ -237,7 +238,7 @@ class LigerTiledMLPFunction(torch.autograd.Function):
                         target.zero_()
                     else:
                         target.copy_(d_x_shard)
-                sums = [accumulate(total, g) for total, g in zip(sums, grads)]
+                sums = [accumulate(total, g, n) for total, g, n in zip(sums, grads, narrow)]
         return (None, None, d_x, None, None, None, *cast_each(sums, ctx.params))
 
 
