@@ -5,11 +5,11 @@ Forward runs ``fn(mlp_module, shard)`` for each shard of ``x`` along the sequenc
 under ``no_grad``. Backward recomputes each shard with grad and takes its gradients with
 ``torch.autograd.grad``. The pieces live beside this module: ``_tiling`` (whether and how to shard),
 ``_replay`` (what the recompute must see again), ``_tiled_gated`` (the fast path for gated MLPs, declared by
-their owner in gated_mlp.py), ``_grad_sums`` (fp32 gradient sums).
+their owner in gated_mlp.py), ``_grad_sums`` (the gradient sums: fp32, or the weights' dtype over two shards).
 
 How gradients reach the parameters must not change with tiling. The trainable parameters are inputs of the
-autograd Function and their gradients are *returned* from its backward, summed over shards in fp32 and cast
-once, so autograd accumulates each one exactly once per backward and no AccumulateGrad node (where DDP and
+autograd Function and their gradients are *returned* from its backward, summed over shards (``_grad_sums``)
+and cast once, so autograd accumulates each one exactly once per backward and no AccumulateGrad node (where DDP and
 FSDP hang their per-parameter hooks) fires inside the shard loop.
 
 DeepSpeed ZeRO-3 is the exception: its partitioned parameters (marked by ``ds_id``) are 0-sized outside their
