@@ -370,3 +370,25 @@ def test_sass_count_reads_kernel_signatures(lk):
     assert sum("ACTIVATION_AND_GRAD=" in line and "STORE_OUT=False" in line for line in lines) == len(
         lk.activations.REGISTRY
     )
+
+
+def test_mlp_shapes_table_judges_the_targets(suite_module):
+    """plot.py's table of bench_mlp.run_shapes: tiled over fused against each shape's time and memory targets."""
+    plot = suite_module("plot")
+
+    def row(hidden, impl, ms, peak_gib, time_target, memory_target):
+        return dict(hidden=hidden, intermediate=4 * hidden, seq=8192, impl=impl, ms=ms, peak_bytes=peak_gib * 2**30,
+                    time_target=time_target, memory_target=memory_target, auto_shards=4)  # fmt: skip
+
+    rows = [
+        row(1024, "fused", 1.0, 1.0, 1.3, "fused"),
+        row(1024, "tiled", 1.2, 0.5, 1.3, "fused"),
+        row(2048, "fused", 1.0, 1.0, 1.25, 0.5),
+        row(2048, "tiled", 1.3, 1.0, 1.25, 0.5),
+        row(4096, "fused", 1.0, 1.0, 1.25, "below fused"),
+        row(4096, "tiled", 1.0, 1.0, 1.25, "below fused"),
+    ]
+    text = "\n".join(plot._mlp_shapes_table({"mlp_shapes": rows}))
+    assert "| 1.200× | ≤1.3× (met), ≤ fused (met) |" in text
+    assert "| 1.300× | ≤1.25× (missed), ≤0.5 GiB (missed) |" in text
+    assert "| 1.000× | ≤1.25× (met), < fused (missed) |" in text

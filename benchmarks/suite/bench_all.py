@@ -16,6 +16,8 @@ Sections, in this order (``--sections`` picks some; ``--append`` adds them to an
   rotary       bench_rotary.py
   flce         bench_flce.py at --flce-tokens tokens
   mlp          bench_mlp.py: the Llama-8B MLP at --seqs, time and peak memory
+  mlp_shapes   bench_mlp.run_shapes: MLP shapes where tiling is a close call, ours and the peer's fused and
+               tiled layers against the targets (time over the fused MLP, peak memory)
   model        bench_model.py, given what is left of --budget-s (at most --model-budget-s; skipped under 45 s
                and with --quick, its own smoke test being bench_model.py --device cpu --quick); its progress
                is also written to OUT_model.json as it goes. Run alone, it gets expandable segments.
@@ -45,7 +47,7 @@ sys.path.insert(0, str(SUITE))
 import plot  # noqa: E402
 import timing  # noqa: E402
 
-SECTIONS = ("ceilings", "host", "activations", "rms_norm", "rotary", "flce", "mlp", "model")
+SECTIONS = ("ceilings", "host", "activations", "rms_norm", "rotary", "flce", "mlp", "mlp_shapes", "model")
 SEQS = "8192,32768,65536,131072,1048576"
 MIN_MODEL_BUDGET_S = 45
 QUICK_HOST_CALLS = (5, 1)  # --quick: host calls and warm-up calls in the modules that fix their own
@@ -114,6 +116,11 @@ def section_mlp(args, results):
         quick = module.QUICK
         return module.run(quick["seqs"], args.device, quick["hidden"], quick["intermediate"], quick["untiled_max_seq"])
     return module.run([int(s) for s in args.seqs.split(",")], args.device)
+
+
+def section_mlp_shapes(args, results):
+    module = _module("bench_mlp")
+    return module.run_shapes(module.QUICK_SHAPES if args.quick else module.SHAPES, args.device)
 
 
 def section_model(args, results, budget_s):

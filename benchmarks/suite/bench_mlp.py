@@ -83,20 +83,51 @@ def measure(forward, x, d_out, host, device):
     return ms, peak
 
 
+# MLP shapes where tiling is a close call (the adaptive choice, the shard count, the gradient sums), with the
+# targets the tiled layer is held to against the fused MLP of the same run: (H, I, S): (time ratio, memory).
+# Memory: "fused" (at most the fused MLP's peak), "below fused" (strictly less) or a bound in GiB.
+SHAPES = {
+    (1024, 2816, 8192): (1.30, "fused"),
+    (2048, 8192, 16384): (1.25, 0.5),
+    (4096, 14336, 4096): (1.02, "fused"),
+    (8192, 28672, 16384): (1.25, "below fused"),
+}
+SHAPE_IMPLS = ("fused", "peer fused", "tiled", "peer tiled")
+QUICK_SHAPES = {(32, 64, 256): (1.30, "fused"), (48, 96, 128): (1.02, "fused")}
+
+
+def run_shapes(shapes=SHAPES, device: str = "cuda", names=SHAPE_IMPLS) -> list:
+    """``run`` for each (H, I, S) of ``shapes``, with only ``names`` (no eager or torch.compile: their figures
+    add nothing to these questions); rows also carry hidden, intermediate, the automatic shard count of this
+    package and the targets."""
+    lk = timing.package()
+    rows = []
+    for (hidden, intermediate, seq), (time_target, memory_target) in shapes.items():
+        shards = lk._tiling.auto_num_shards(torch.empty(1, seq, hidden, device="meta"))
+        for row in run([seq], device, hidden, intermediate, untiled_max_seq=seq, names=names):
+            row.update(hidden=hidden, intermediate=intermediate, auto_shards=shards)
+            row.update(time_target=time_target, memory_target=memory_target)
+            rows.append(row)
+    return rows
+
+
 def run(
     seqs=SEQS,
     device: str = "cuda",
     hidden: int = HIDDEN,
     intermediate: int = INTERMEDIATE,
     untiled_max_seq: int = UNTILED_MAX_SEQ,
+    names=None,
 ) -> list:
     """One row per (S, implementation): ms per forward + backward and peak bytes above the step's start (None
-    on the CPU). Past ``untiled_max_seq`` tokens only the tiled MLPs run."""
+    on the CPU). Past ``untiled_max_seq`` tokens only the tiled MLPs run; ``names`` limits the implementations."""
     torch.manual_seed(0)
     host = Host(hidden, intermediate).to(device, torch.bfloat16)
     rows = []
-    print(f"{'S':>8} {'impl':<13} {'ms':>9} {'peak GiB':>9} {'TFLOP/s (9 units)':>18}")
+    print(f"{'S':>8} {'impl':<13} {'ms':>9} {'peak GiB':>9} {'TFLOP/s (9 units)':>18}  (H {hidden}, I {intermediate})")
     impls = implementations(host)
+    if names is not None:
+        impls = {name: impl for name, impl in impls.items() if name in names}
     for seq in seqs:
         x = torch.randn(1, seq, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
         d_out = torch.randn(1, seq, hidden, device=device, dtype=torch.bfloat16)

@@ -20,6 +20,7 @@ RATIO_TARGET = {8192: 1.30, 32768: 1.20, 65536: 1.20, 131072: 1.20}
 MEMORY_TARGET = {32768: 1.73, 65536: 2.23, 131072: 3.23, 1048576: 40.0}
 ACTIVATION_IMPLS = ["liger-kernels", "liger-kernel 0.8.5", "torch.compile", "eager"]
 MLP_IMPLS = ["eager", "torch.compile", "fused", "peer fused", "tiled", "peer tiled"]
+SHAPE_IMPLS = ["fused", "peer fused", "tiled", "peer tiled"]  # bench_mlp.SHAPE_IMPLS
 OLD_OP_NAMES = {"swiglu": "silu", "geglu_tanh": "gelu_tanh", "geglu_exact": "gelu"}  # before the registry
 GPU_BOUND = 1.1  # synced / host time per call above this: the GPU set the pace (bench_host.py)
 GENERIC_SECTIONS = {
@@ -166,6 +167,49 @@ def _mlp_table(results):
     )
 
 
+def _met(value, bound) -> str:
+    return "" if value is None or bound is None else (" (met)" if value <= bound else " (missed)")
+
+
+def _mlp_shapes_table(results):
+    """bench_mlp.run_shapes: per (H, I, S), each implementation's ms and peak, and ours against the targets."""
+    rows = rows_of(results.get("mlp_shapes"))
+    shapes = list(dict.fromkeys((r["hidden"], r["intermediate"], r["seq"]) for r in rows))
+    body = []
+    for shape in shapes:
+        by_impl = {r["impl"]: r for r in rows if (r["hidden"], r["intermediate"], r["seq"]) == shape}
+        cells = ["{}, {}, {:,}".format(*shape)]
+        for impl in SHAPE_IMPLS:
+            row = by_impl.get(impl)
+            peak = None if row is None or row.get("peak_bytes") is None else row["peak_bytes"] / GIB
+            cells.append("–" if row is None else f"{row['ms']:.2f} ms" + ("" if peak is None else f", {peak:.2f} GiB"))
+        tiled, fused = by_impl.get("tiled"), by_impl.get("fused")
+        any_row = next(iter(by_impl.values()))
+        ratio = tiled["ms"] / fused["ms"] if tiled and fused else None
+        memory_target = any_row.get("memory_target")
+        fused_peak = fused and fused.get("peak_bytes")
+        tiled_peak = tiled and tiled.get("peak_bytes")
+        if memory_target == "fused":
+            bound, text = fused_peak, "≤ fused"
+        elif memory_target == "below fused":
+            bound, text = (fused_peak - 1 if fused_peak else None), "< fused"
+        else:
+            bound, text = (memory_target * GIB if memory_target is not None else None), f"≤{memory_target} GiB"
+        time_text = f"≤{any_row.get('time_target')}×{_met(ratio, any_row.get('time_target'))}"
+        cells += [
+            str(any_row.get("auto_shards", "–")),
+            "–" if ratio is None else f"{ratio:.3f}×",
+            f"{time_text}, {text}{_met(tiled_peak, bound)}",
+        ]
+        body.append(cells)
+    return _table(
+        "MLP shapes where tiling is a close call, forward + backward, bf16 (bench_mlp.run_shapes): median ms, "
+        "extra peak GiB; targets for the tiled layer against the fused MLP:",
+        ["H, I, S", *SHAPE_IMPLS, "auto shards", "tiled ÷ fused", "target"],
+        body,
+    )
+
+
 def _us_pair(row):
     """The forward and forward + backward us as "fwd / fwd+bwd", * where the GPU set the pace."""
     if not row:
@@ -303,6 +347,8 @@ def summary(results):
         lines += _activation_table(results)
     if rows_of(results.get("mlp")):
         lines += _mlp_table(results)
+    if rows_of(results.get("mlp_shapes")):
+        lines += _mlp_shapes_table(results)
     for name, title in GENERIC_SECTIONS.items():
         if rows_of(results.get(name)):
             lines += generic_table(title + ":", rows_of(results[name]))
