@@ -116,6 +116,10 @@ def dynamo_says_exporting(monkeypatch):
     def folded():
         return True if torch.compiler.is_dynamo_compiling() else real()
 
+    # Dynamo builds its tables of torch functions once per process, from the names as they are then: build
+    # them with the real function first, or later tests (transformers asks is_exporting too) would trace it
+    # as an unknown torch function and break their graphs.
+    torch.compile(lambda t: t + real(), backend="eager", fullgraph=True)(torch.zeros(1))
     monkeypatch.setattr(torch.compiler, "is_exporting", folded)
     torch._dynamo.reset()
     yield

@@ -6,7 +6,9 @@ torch.compile; and on a GPU the compiled kernels at real sizes."""
 import contextlib
 import copy
 import sys
+import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -357,6 +359,8 @@ def bad_inputs():
         ("bool eps", lambda f: f(x, w, True), TypeError, "`eps` must be a real number"),
         ("tensor eps", lambda f: f(x, w, torch.tensor(1e-6)), TypeError, "`eps` must be a real number"),
         ("inf offset", lambda f: f(x, w, 1e-6, float("inf")), ValueError, "`offset` must be finite"),
+        ("numpy inf eps", lambda f: f(x, w, np.float64("inf")), ValueError, "`eps` must be finite"),
+        ("huge int offset", lambda f: f(x, w, 1e-6, 10**400), ValueError, "`offset` must be finite"),
         ("str offset", lambda f: f(x, w, 1e-6, "1"), TypeError, "`offset` must be a real number"),
         ("casting", lambda f: f(x, w, 1e-6, 0.0, "none"), ValueError, "`casting` must be one of"),
     ]
@@ -371,7 +375,8 @@ def test_bad_input_raises_before_launch(lk, function, case, monkeypatch):
     monkeypatch.setattr(module(lk), "norm_forward", no_launch)
     _, call, error, message = case
     fn = lk.rms_norm if function == "rms_norm" else lk.LigerRMSNormFunction.apply
-    with pytest.raises(error, match=message) as info:
+    with pytest.raises(error, match=message) as info, warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's own warning (inf - inf) must not replace the clear error
         call(fn)
     assert "rms_norm" in str(info.value)
 

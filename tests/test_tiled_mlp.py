@@ -93,12 +93,15 @@ def test_auto_shards_are_ceil_s_over_h(lk):
         (16384, 2048, 8),  # from H = 2048 on, ceil(S / H) shards are at least that long already
         (32768, 4096, 8),
         (1000, 64, 1),  # shorter than one minimum shard: one shard, i.e. untiled
+        ((8, 2048), 256, 8),  # the minimum counts rows: a batch of 8 short sequences still tiles
+        ((16, 1024), 896, 2),
         (10**6, 4, 100),  # at most MAX_AUTO_SHARDS
     ],
 )
 def test_automatic_shard_count(lk, seq, hidden, expected):
     assert lk._tiling.MIN_SHARD_TOKENS == 2048
-    assert lk._tiling.auto_num_shards(torch.empty(1, seq, hidden, device="meta")) == expected
+    batch, seq = seq if isinstance(seq, tuple) else (1, seq)
+    assert lk._tiling.auto_num_shards(torch.empty(batch, seq, hidden, device="meta")) == expected
 
 
 @pytest.mark.parametrize("num_shards", [0, -2, 2.0, True, "4"])
@@ -359,6 +362,14 @@ def test_activation_checkpointing_around_a_decoder_layer(lk, use_reentrant):
 )
 def test_tiling_is_chosen_where_it_lowers_the_bf16_peak(lk, tokens, hidden, intermediate, num_shards, pays):
     assert lk._tiling.tiling_pays(tokens, hidden, intermediate, 2, num_shards) is pays
+
+
+def test_fp16_weights_sum_in_fp32_even_over_two_shards(lk):
+    """fp16's range: one shard's rounded product can overflow where the sum would not, so fp16 weights keep
+    their fp32 sums (and their memory counts) over any number of shards; bf16 over two does not."""
+    assert lk._grad_sums.narrow_sums(2, torch.bfloat16) and not lk._grad_sums.narrow_sums(2, torch.float16)
+    args = (16384, 8192, 28672, 2, 2)
+    assert lk._tiling.tiling_pays(*args, torch.bfloat16) and not lk._tiling.tiling_pays(*args, torch.float16)
 
 
 def test_fp32_weights_tile_whenever_there_are_shards(lk):

@@ -114,13 +114,18 @@ def section_mlp(args, results):
     module = _module("bench_mlp")
     if args.quick:
         quick = module.QUICK
-        return module.run(quick["seqs"], args.device, quick["hidden"], quick["intermediate"], quick["untiled_max_seq"])
+        return module.run(
+            quick["seqs"], args.device, quick["hidden"], quick["intermediate"], quick["untiled_max_seq"],
+            num_shards=quick["num_shards"],
+        )  # fmt: skip
     return module.run([int(s) for s in args.seqs.split(",")], args.device)
 
 
 def section_mlp_shapes(args, results):
     module = _module("bench_mlp")
-    return module.run_shapes(module.QUICK_SHAPES if args.quick else module.SHAPES, args.device)
+    if args.quick:
+        return module.run_shapes(module.QUICK_SHAPES, args.device, num_shards=module.QUICK["num_shards"])
+    return module.run_shapes(module.SHAPES, args.device)
 
 
 def section_model(args, results, budget_s):

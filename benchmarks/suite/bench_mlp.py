@@ -23,7 +23,8 @@ import timing
 HIDDEN, INTERMEDIATE = 4096, 14336
 SEQS = (8192, 32768, 65536, 131072, 1048576)
 UNTILED_MAX_SEQ = 65536
-QUICK = {"hidden": 32, "intermediate": 64, "seqs": (64, 256), "untiled_max_seq": 64}
+# The smoke test's MLP is far below the automatic count's minimum shard: its tiled rows ask for 2 shards.
+QUICK = {"hidden": 32, "intermediate": 64, "seqs": (64, 256), "untiled_max_seq": 64, "num_shards": 2}
 
 
 class Host(torch.nn.Module):
@@ -96,15 +97,15 @@ SHAPE_IMPLS = ("fused", "peer fused", "tiled", "peer tiled")
 QUICK_SHAPES = {(32, 64, 256): (1.30, "fused"), (48, 96, 128): (1.02, "fused")}
 
 
-def run_shapes(shapes=SHAPES, device: str = "cuda", names=SHAPE_IMPLS) -> list:
+def run_shapes(shapes=SHAPES, device: str = "cuda", names=SHAPE_IMPLS, num_shards=None) -> list:
     """``run`` for each (H, I, S) of ``shapes``, with only ``names`` (no eager or torch.compile: their figures
     add nothing to these questions); rows also carry hidden, intermediate, the automatic shard count of this
-    package and the targets."""
+    package and the targets. ``num_shards``: the host attribute for the tiled layers (None: automatic)."""
     lk = timing.package()
     rows = []
     for (hidden, intermediate, seq), (time_target, memory_target) in shapes.items():
         shards = lk._tiling.auto_num_shards(torch.empty(1, seq, hidden, device="meta"))
-        for row in run([seq], device, hidden, intermediate, untiled_max_seq=seq, names=names):
+        for row in run([seq], device, hidden, intermediate, untiled_max_seq=seq, names=names, num_shards=num_shards):
             row.update(hidden=hidden, intermediate=intermediate, auto_shards=shards)
             row.update(time_target=time_target, memory_target=memory_target)
             rows.append(row)
@@ -118,11 +119,15 @@ def run(
     intermediate: int = INTERMEDIATE,
     untiled_max_seq: int = UNTILED_MAX_SEQ,
     names=None,
+    num_shards=None,
 ) -> list:
     """One row per (S, implementation): ms per forward + backward and peak bytes above the step's start (None
-    on the CPU). Past ``untiled_max_seq`` tokens only the tiled MLPs run; ``names`` limits the implementations."""
+    on the CPU). Past ``untiled_max_seq`` tokens only the tiled MLPs run; ``names`` limits the implementations;
+    ``num_shards`` is the host attribute the tiled layers read (None: their automatic count)."""
     torch.manual_seed(0)
     host = Host(hidden, intermediate).to(device, torch.bfloat16)
+    if num_shards is not None:
+        host.num_shards = num_shards
     rows = []
     print(f"{'S':>8} {'impl':<13} {'ms':>9} {'peak GiB':>9} {'TFLOP/s (9 units)':>18}  (H {hidden}, I {intermediate})")
     impls = implementations(host)
@@ -169,7 +174,10 @@ def main(argv=None):
     timing.suite_settings()
     if args.quick:
         timing.quick_mode()
-        rows = run(QUICK["seqs"], args.device, QUICK["hidden"], QUICK["intermediate"], QUICK["untiled_max_seq"])
+        rows = run(
+            QUICK["seqs"], args.device, QUICK["hidden"], QUICK["intermediate"], QUICK["untiled_max_seq"],
+            num_shards=QUICK["num_shards"],
+        )  # fmt: skip
     else:
         rows = run([int(s) for s in args.seqs.split(",")], args.device)
     if args.out:

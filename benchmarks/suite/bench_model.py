@@ -150,7 +150,7 @@ def _bind(module, name, function) -> None:
     module.__dict__[name] = types.MethodType(function, module)
 
 
-def apply_variant(name: str, model):
+def apply_variant(name: str, model, num_shards=None):
     """Patch ``model`` as variant ``name``; returns ``(loss_fn(ids), saved, info)``; ``restore(model, saved)``
     undoes it. ``info["rope_calls"]`` counts this package's rotary calls (ours)."""
     saved = _snapshot(model)
@@ -177,6 +177,8 @@ def apply_variant(name: str, model):
         layer = lk.LigerTiledSwiGLUMLP if name == "ours" else lk.LigerSwiGLUMLP
         for mlp in mlps:
             _bind(mlp, "forward", layer.forward)
+            if num_shards is not None and name == "ours":  # the host attribute the tiled layer reads
+                mlp.__dict__["num_shards"] = num_shards
         if hasattr(lk, "LigerRMSNorm"):
             for norm in norms:
                 _bind(norm, "forward", lk.LigerRMSNorm.forward)
@@ -194,8 +196,8 @@ def apply_variant(name: str, model):
 # The correctness check: every variant against vanilla on a tiny float32 model.
 
 
-def _loss_and_grads(model, variant, ids):
-    loss_fn, saved, info = apply_variant(variant, model)
+def _loss_and_grads(model, variant, ids, num_shards=None):
+    loss_fn, saved, info = apply_variant(variant, model, num_shards)
     try:
         model.zero_grad(set_to_none=True)
         loss = loss_fn(ids)
@@ -222,9 +224,13 @@ def _compare(loss, grads, ref_loss, ref_grads) -> dict:
             "missing_grads": missing, "ok": ok}  # fmt: skip
 
 
+VERIFY_SHARDS = 2
+
+
 def verify(device: str, seq: int = 96) -> dict:
     """Loss and weight gradients of every variant against vanilla: tiny Llama (2 layers, hidden 64, vocab
-    1000), float32, gradient checkpointing on, S = ``seq`` (2 MLP shards), some labels ignored. Then vanilla
+    1000), float32, gradient checkpointing on, S = ``seq``, some labels ignored; the tiled variant's MLPs asked
+    for 2 shards through their host attribute (the automatic count does not tile so few tokens). Then vanilla
     again, to check that the variants' bindings were undone."""
     model = build_model(make_config(TINY, 2), torch.float32, device)
     ids = torch.randint(0, TINY["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
@@ -234,7 +240,7 @@ def verify(device: str, seq: int = 96) -> dict:
         if variant == "vanilla":
             continue
         try:
-            loss, grads, info = _loss_and_grads(model, variant, ids)
+            loss, grads, info = _loss_and_grads(model, variant, ids, num_shards=VERIFY_SHARDS)
         except Exception as error:  # noqa: BLE001
             result[variant] = {"ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
             continue

@@ -10,6 +10,7 @@ CPU tensors needs ``TRITON_INTERPRET=1`` set before the package is imported; tha
 kernel code on a machine without a GPU.
 """
 
+import math
 import os
 
 import torch
@@ -92,6 +93,17 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if not on_device and not triton_interpreted():
         raise RuntimeError("LIGER_KERNELS_BACKEND=triton on a CPU tensor needs TRITON_INTERPRET=1 set before import")
     return True
+
+
+def is_finite(value) -> bool:
+    """math.isfinite for a real number, also when torch.compile(dynamic=True) traces it as a symbolic float
+    (math.isfinite would break the graph there; the subtraction traces as a guard on the answer)."""
+    if torch.compiler.is_compiling():
+        return bool(value - value == 0)
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def exporting() -> bool:

@@ -1,15 +1,17 @@
 """Weight-gradient sums over shards: in fp32 (fp64 for fp64) whatever the parameters' dtype, cast once; or,
-for bf16/fp16 parameters over at most MAX_NARROW_SUM_SHARDS shards, in the parameters' own dtype.
+for bf16 parameters over at most MAX_NARROW_SUM_SHARDS shards, in bf16 itself.
 
 Against float64, summing bf16 weight gradients in bf16 (each shard's product added in one rounding) gave
 1.22x the untiled bf16 error over 2 shards, 1.58x over 4, 2.1x over 8 and 5.7x over 64 (H 256, I 512, 8192
 tokens); the contract is 1.5x. Up to 2 shards the fp32 sums (3 H I x 4 bytes for a gated MLP, twice the
-weights) are not needed, and tiling then saves memory wherever it splits the activations at all."""
+weights) are not needed, and tiling then saves memory wherever it splits the activations at all. Not fp16:
+each shard's product is rounded before the sum, and with fp16's range one shard's can overflow where the
+total would not."""
 
 import torch
 
 MAX_NARROW_SUM_SHARDS = 2
-NARROW = (torch.bfloat16, torch.float16)
+NARROW = (torch.bfloat16,)
 
 
 def narrow_sums(num_shards: int, dtype: torch.dtype) -> bool:

@@ -1,9 +1,9 @@
 """How a tiled call is laid out: whether it tiles at all, how many shards, and where they start.
 
 * The shard count is a function of the shapes alone, so it needs no communication: ceil(S / H) shards, so
-  that each shard's S x I intermediates are about the size of one weight matrix; but no shard shorter than
-  MIN_SHARD_TOKENS, below which the GEMMs lose efficiency and each shard's own host cost (a Python-level loop
-  step with its own launches) shows; and at most MAX_AUTO_SHARDS.
+  that each shard's S x I intermediates are about the size of one weight matrix; but no shard of fewer than
+  MIN_SHARD_TOKENS rows (batch x shard length), below which the GEMMs lose efficiency and each shard's own
+  host cost (a Python-level loop step with its own launches) shows; and at most MAX_AUTO_SHARDS.
 * Under torch.distributed no collective runs, except where the parameters are gathered inside each shard
   (DeepSpeed ZeRO-3 parameters, or FSDP2 units inside the MLP): there ranks must run the same number of
   shards or a rank would wait forever in a gather, so the count is the maximum over ranks. Such engines
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._gated import transforms_active
-from ._grad_sums import MAX_NARROW_SUM_SHARDS
+from ._grad_sums import narrow_sums
 
 OP = "apply_tiled_mlp"
 MAX_AUTO_SHARDS = 100
@@ -40,9 +40,11 @@ def check_num_shards(num_shards) -> int | None:
 
 
 def auto_num_shards(x: torch.Tensor) -> int:
-    """min(ceil(S / H), S // MIN_SHARD_TOKENS, MAX_AUTO_SHARDS), at least 1 (see the module docstring)."""
+    """min(ceil(S / H), rows // MIN_SHARD_TOKENS, MAX_AUTO_SHARDS), at least 1 (see the module docstring). The
+    minimum counts the rows a shard's GEMMs see: batch x shard length, so a batch of short sequences tiles."""
     seq_len, hidden = x.shape[-2], x.shape[-1]
-    return max(1, min(math.ceil(seq_len / max(hidden, 1)), seq_len // MIN_SHARD_TOKENS, MAX_AUTO_SHARDS))
+    rows = math.prod(x.shape[:-1])
+    return max(1, min(math.ceil(seq_len / max(hidden, 1)), rows // MIN_SHARD_TOKENS, MAX_AUTO_SHARDS))
 
 
 def num_shards_for(requested: int | None, x: torch.Tensor, gathers_per_shard: bool) -> int:
@@ -139,19 +141,23 @@ def untiled_reason(mlp_module, x: torch.Tensor, params) -> str | None:
     return None
 
 
-def tiling_pays(tokens: int, hidden: int, intermediate: int, itemsize: int, num_shards: int) -> bool:
+def tiling_pays(tokens: int, hidden: int, intermediate: int, itemsize: int, num_shards: int, weight_dtype=None) -> bool:
     """Whether the tiled gated MLP holds less memory at its peak than the fused untiled one, for ``tokens``
-    rows of width ``hidden``, ``intermediate`` columns in the MLP and activations of ``itemsize`` bytes.
+    rows of width ``hidden``, ``intermediate`` columns in the MLP and activations of ``itemsize`` bytes;
+    ``weight_dtype`` (the projections'; None: bf16 for 2-byte activations, fp32 otherwise) sets the sums'.
 
     Untiled, gate, up and the activation's output (the down projection's input) live from forward to
     backward, and backward adds d_hidden: about 4 x tokens x I activations. Tiled, the same four exist for one
-    shard at a time, and low-precision weights over more than MAX_NARROW_SUM_SHARDS shards add fp32 gradient
-    sums for the three projections (3 x H x I x 4 bytes; fp32 weights, and bf16/fp16 ones over fewer shards,
-    sum in their own dtype: _grad_sums). What both hold alike (x, the output, the weights' gradients)
-    cancels. Shapes only: no sync, no collective, the same answer on every rank."""
+    shard at a time, and low-precision weights add fp32 gradient sums for the three projections (3 x H x I x 4
+    bytes; fp32 weights, and bf16 ones over at most MAX_NARROW_SUM_SHARDS shards, sum in their own dtype:
+    _grad_sums). What both hold alike (x, the output, the weights' gradients) cancels. Shapes only: no sync,
+    no collective, the same answer on every rank."""
     if num_shards <= 1:
         return False
     per_activation = tokens * intermediate * itemsize
     saved = 4 * per_activation * (1.0 - 1.0 / num_shards)
-    sums = 3 * hidden * intermediate * 4 if itemsize < 4 and num_shards > MAX_NARROW_SUM_SHARDS else 0
+    if weight_dtype is None:
+        weight_dtype = torch.bfloat16 if itemsize == 2 else torch.float32
+    wide_sums = weight_dtype.itemsize < 4 and not narrow_sums(num_shards, weight_dtype)
+    sums = 3 * hidden * intermediate * 4 if wide_sums else 0
     return saved > sums

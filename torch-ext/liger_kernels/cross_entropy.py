@@ -89,9 +89,8 @@ def check_options(op: str, ignore_index, lse_square_scale, label_smoothing, redu
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"{op}: `ignore_index` must be an int, got {type(ignore_index).__name__}")
     for arg, value in (("lse_square_scale", lse_square_scale), ("label_smoothing", label_smoothing)):
-        # value - value == 0: math.isfinite, and traces for torch.compile(dynamic=True)'s symbolic floats
         real = isinstance(value, (numbers.Real, torch.SymFloat)) and not isinstance(value, bool)
-        if not real or not value - value == 0:
+        if not real or not _backend.is_finite(value):
             raise TypeError(f"{op}: `{arg}` must be a finite real number, got {value!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{op}: `label_smoothing` must be in [0, 1], got {label_smoothing}")

@@ -52,16 +52,13 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _check_real(value, arg: str) -> float:
-    # ``value - value == 0`` is math.isfinite for floats and also traces for the symbolic floats that
-    # torch.compile(dynamic=True) makes of float attributes (a guard on the answer, not a graph break).
-    if isinstance(value, float) and value - value == 0:  # the common case, without the ABC check
-        return float(value)
+    if isinstance(value, float) and _backend.is_finite(value):  # the common case, without the ABC check
+        return value if torch.compiler.is_compiling() else float(value)
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat)):
         raise TypeError(f"{OP}: `{arg}` must be a real number, got {type(value).__name__}")
-    value = value if isinstance(value, torch.SymFloat) else float(value)
-    if not value - value == 0:
+    if not _backend.is_finite(value):
         raise ValueError(f"{OP}: `{arg}` must be finite, got {value}")
-    return value
+    return value if isinstance(value, torch.SymFloat) else float(value)
 
 
 def check_inputs(x, weight, eps, offset, casting) -> tuple[float, float, bool]:

@@ -95,7 +95,10 @@ def _pays(fn, mlp_module, x, num_shards) -> bool:
     if intermediate is None:
         return True
     hidden = x.shape[-1]
-    return _tiling.tiling_pays(x.numel() // max(hidden, 1), hidden, intermediate, x.element_size(), num_shards)
+    weight = getattr(gate, "weight", None)
+    weight_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
+    tokens = x.numel() // max(hidden, 1)
+    return _tiling.tiling_pays(tokens, hidden, intermediate, x.element_size(), num_shards, weight_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
