@@ -5,7 +5,7 @@ Forward runs ``fn(mlp_module, shard)`` for each shard of ``x`` along the sequenc
 under ``no_grad``. Backward recomputes each shard with grad and takes its gradients with
 ``torch.autograd.grad``. The pieces live beside this module: ``_tiling`` (whether and how to shard),
 ``_replay`` (what the recompute must see again), ``_tiled_gated`` (the fast path for gated MLPs, declared by
-their owner in gated_mlp.py), ``_grad_sums`` (the gradient sums: fp32, or the weights' dtype over two shards).
+their owner in gated_mlp.py), ``_grad_sums`` (the gradient sums: fp32, or bf16 over two shards).
 
 How gradients reach the parameters must not change with tiling. The trainable parameters are inputs of the
 autograd Function and their gradients are *returned* from its backward, summed over shards (``_grad_sums``)
