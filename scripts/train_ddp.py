@@ -37,7 +37,7 @@ def main():
         lk = kernels.get_local_kernel(Path(root))
         # The automatic count keeps shards at least 2048 tokens long (MIN_SHARD_TOKENS): this demo's sequences are
         # shorter, so it asks for its shards through the tiled layers' host attribute, as a user would.
-        shards = max(2, -(-args.seq // HIDDEN))
+        shards = min(max(2, -(-args.seq // HIDDEN)), 100)
         print(f"liger-kernels loaded through kernels {kernels.__version__} as {lk.__name__}")
         print(
             f"tiny Llama (2 layers, hidden {HIDDEN}), LlamaMLP kernelized to LigerTiledSwiGLUMLP, loss through "
