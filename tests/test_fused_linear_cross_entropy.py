@@ -412,7 +412,19 @@ def bad_inputs():
             "softcap",
             lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "mean", 0.0),
             ValueError,
-            "`softcap` must be None or a positive",
+            "`softcap` must be None or a finite positive",
+        ),
+        (
+            "inf softcap",  # tanh(x / inf) * inf is nan: a silent nan loss otherwise
+            lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "mean", float("inf")),
+            ValueError,
+            "`softcap` must be None or a finite positive",
+        ),
+        (
+            "huge int softcap",
+            lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "mean", 10**400),
+            ValueError,
+            "`softcap` must be None or a finite positive",
         ),
         (
             "accum_dtype",

@@ -104,6 +104,29 @@ def test_automatic_shard_count(lk, seq, hidden, expected):
     assert lk._tiling.auto_num_shards(torch.empty(batch, seq, hidden, device="meta")) == expected
 
 
+def test_frozen_engine_parameters_make_ranks_agree_on_the_shard_count(lk, monkeypatch):
+    """ZeRO-3 gathers frozen parameters per shard too (LoRA on attention only leaves the MLP frozen): such a
+    module still counts as gathered per shard, so the automatic count is agreed across ranks and the call
+    always tiles, whatever this rank's tokens."""
+    mlp = GatedMLP(H, 128).double()
+    for p in mlp.parameters():
+        p.requires_grad_(False)
+        p.ds_id = 0  # what marks a DeepSpeed ZeRO-3 parameter
+    assert lk._tiling.gathers_per_shard(mlp, [])
+    agreed = []
+
+    def harmonize(count, x):
+        agreed.append(count)
+        return count
+
+    monkeypatch.setattr(lk._tiling, "harmonize_num_shards", harmonize)
+    x = torch.randn(1, 3 * H, H, dtype=torch.float64, requires_grad=True)
+    out = lk.apply_tiled_mlp(call, mlp, x)
+    (d_x,) = torch.autograd.grad(out.sum(), x)
+    x_ref = x.detach().requires_grad_()
+    assert agreed == [3] and torch.allclose(d_x, torch.autograd.grad(mlp(x_ref).sum(), x_ref)[0], atol=1e-12)
+
+
 @pytest.mark.parametrize("num_shards", [0, -2, 2.0, True, "4"])
 def test_bad_num_shards(lk, num_shards):
     with pytest.raises(ValueError, match="`num_shards` must be None"):

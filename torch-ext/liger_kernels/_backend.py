@@ -12,6 +12,7 @@ kernel code on a machine without a GPU.
 
 import math
 import os
+import sys
 
 import torch
 
@@ -98,8 +99,8 @@ def use_triton(tensor: torch.Tensor) -> bool:
 def is_finite(value) -> bool:
     """math.isfinite for a real number, also when torch.compile(dynamic=True) traces it as a symbolic float
     (math.isfinite would break the graph there; the subtraction traces as a guard on the answer)."""
-    if torch.compiler.is_compiling():
-        return bool(value - value == 0)
+    if torch.compiler.is_compiling():  # abs(...) <= max: an int too large for a float is not finite either
+        return bool(value - value == 0 and abs(value) <= sys.float_info.max)
     try:
         return math.isfinite(value)
     except OverflowError:  # an int too large for a float

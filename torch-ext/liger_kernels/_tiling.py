@@ -84,9 +84,12 @@ def _fsdp_module_class():
 
 
 def gathers_per_shard(mlp_module, zero3_params) -> bool:
-    """Whether the module's parameters are gathered inside every shard's call: ZeRO-3 parameters, or FSDP2
-    units strictly inside the MLP (an FSDP2 unit at the MLP or above gathers once around the whole call)."""
+    """Whether the module's parameters are gathered inside every shard's call: ZeRO-3 parameters (among
+    ``zero3_params``, or any of the module's own, trainable or frozen: a frozen one is gathered all the same),
+    or FSDP2 units strictly inside the MLP (an FSDP2 unit at the MLP or above gathers once around the call)."""
     if zero3_params:
+        return True
+    if isinstance(mlp_module, nn.Module) and any(hasattr(p, "ds_id") for p in mlp_module.parameters()):
         return True
     fsdp = _fsdp_module_class()
     if fsdp is None or not isinstance(mlp_module, nn.Module):
@@ -132,8 +135,7 @@ def untiled_reason(mlp_module, x: torch.Tensor, params) -> str | None:
         return "torch.func transform"
     if _has_backward_hooks(mlp_module):
         return "module backward hooks"
-    every = list(mlp_module.parameters()) if isinstance(mlp_module, nn.Module) else params
-    engine = gathers_per_shard(mlp_module, [p for p in every if hasattr(p, "ds_id")])
+    engine = gathers_per_shard(mlp_module, [p for p in params if hasattr(p, "ds_id")])
     if not engine and _has_forward_hooks(mlp_module):
         return "module forward hooks"
     if _has_buffers(mlp_module):

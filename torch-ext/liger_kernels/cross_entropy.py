@@ -97,8 +97,9 @@ def check_options(op: str, ignore_index, lse_square_scale, label_smoothing, redu
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: `reduction` must be one of {REDUCTIONS}, got {reduction!r}")
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not softcap > 0:
-            raise ValueError(f"{op}: `softcap` must be None or a positive number, got {softcap!r}")
+        real = isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
+        if not real or not _backend.is_finite(softcap) or not softcap > 0:
+            raise ValueError(f"{op}: `softcap` must be None or a finite positive number, got {softcap!r}")
         softcap = float(softcap)
     if not isinstance(use_token_scaling, bool):
         raise TypeError(f"{op}: `use_token_scaling` must be a bool, got {type(use_token_scaling).__name__}")
