@@ -127,6 +127,24 @@ def test_frozen_engine_parameters_make_ranks_agree_on_the_shard_count(lk, monkey
     assert agreed == [3] and torch.allclose(d_x, torch.autograd.grad(mlp(x_ref).sum(), x_ref)[0], atol=1e-12)
 
 
+def test_one_automatic_shard_runs_untiled(lk):
+    """Any fn: where the automatic count is one shard, the call is the plain fn, once (tiling would only add the
+    recompute and the tiled call's host cost); an explicit num_shards=1 still tiles, and recomputes."""
+    calls = []
+
+    def counting(module, shard):
+        calls.append(shard.shape[-2])
+        return module(shard)
+
+    mlp = GatedMLP(H, 128).double()
+    x = torch.randn(1, H // 2, H, dtype=torch.float64, requires_grad=True)  # ceil(S / H) = 1
+    lk.apply_tiled_mlp(counting, mlp, x).sum().backward()
+    assert calls == [H // 2]
+    calls.clear()
+    lk.apply_tiled_mlp(counting, mlp, x, num_shards=1).sum().backward()
+    assert calls == [H // 2, H // 2]
+
+
 @pytest.mark.parametrize("num_shards", [0, -2, 2.0, True, "4"])
 def test_bad_num_shards(lk, num_shards):
     with pytest.raises(ValueError, match="`num_shards` must be None"):

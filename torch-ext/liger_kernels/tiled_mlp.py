@@ -48,7 +48,8 @@ def apply_tiled_mlp(
 
     tile: None (automatic) tiles a gated MLP whose owner declares the fast path (the package's layers) only
     where it lowers the peak (``_tiling.tiling_pays``; an explicit ``num_shards`` counts as asking to tile),
-    and any other ``fn`` always; True always tiles; False runs ``fn(mlp_module, x)`` untiled.
+    and any other ``fn`` wherever the automatic count gives more than one shard (one shard would only add the
+    recompute and the host's cost of the tiled call); True always tiles; False runs ``fn(mlp_module, x)``.
     """
     if not callable(fn):
         raise TypeError(f"{OP}: `fn` must be callable as fn(mlp_module, shard), got {type(fn).__name__}")
@@ -77,7 +78,12 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     num_shards = _tiling.num_shards_for(requested, x, gathers)
     # Where parameters are gathered per shard, every rank must take the same branch: the choice reads this
     # rank's tokens, so those engines always tile.
-    if tile is None and requested is None and not gathers and not _pays(fn, mlp_module, x, num_shards):
+    if (
+        tile is None
+        and requested is None
+        and not gathers
+        and (num_shards <= 1 or not _pays(fn, mlp_module, x, num_shards))
+    ):
         return fn(mlp_module, x)
     explicit = [] if zero3 else params
     # ZeRO-3 weights are not Function inputs; when x needs no grad either, an anchor input makes the output
