@@ -413,6 +413,19 @@ def test_fp16_weights_sum_in_fp32_even_over_two_shards(lk):
     assert lk._tiling.tiling_pays(*args, torch.bfloat16) and not lk._tiling.tiling_pays(*args, torch.float16)
 
 
+def test_frozen_projections_add_no_sums(lk):
+    """Frozen projections have no gradients to sum: with all three frozen, any second shard pays (the shape
+    where three fp32 sums would not); the layer's own choice reads which projections are trainable."""
+    args = (8192, 8192, 28672, 2, 3, torch.bfloat16)
+    assert not lk._tiling.tiling_pays(*args) and lk._tiling.tiling_pays(*args, 0)
+    host = GatedMLP(64, 512).bfloat16()
+    x = torch.randn(1, 96, 64, dtype=torch.bfloat16)  # 3 shards of 32 rows: saves less than 3 fp32 sums cost
+    fn = lk.gated_mlp.swiglu_mlp
+    assert not lk.tiled_mlp._pays(fn, host, x, 3)
+    host.requires_grad_(False)
+    assert lk.tiled_mlp._pays(fn, host, x, 3)
+
+
 def test_fp32_weights_tile_whenever_there_are_shards(lk):
     """fp32 and fp64 weights sum their gradients in place: no extra memory, so any second shard pays."""
     assert lk._tiling.tiling_pays(4096, 4096, 14336, 4, 2) and lk._tiling.tiling_pays(4096, 4096, 14336, 8, 2)

@@ -143,10 +143,13 @@ def untiled_reason(mlp_module, x: torch.Tensor, params) -> str | None:
     return None
 
 
-def tiling_pays(tokens: int, hidden: int, intermediate: int, itemsize: int, num_shards: int, weight_dtype=None) -> bool:
+def tiling_pays(
+    tokens: int, hidden: int, intermediate: int, itemsize: int, num_shards: int, weight_dtype=None, summed: int = 3
+) -> bool:
     """Whether the tiled gated MLP holds less memory at its peak than the fused untiled one, for ``tokens``
     rows of width ``hidden``, ``intermediate`` columns in the MLP and activations of ``itemsize`` bytes;
-    ``weight_dtype`` (the projections'; None: bf16 for 2-byte activations, fp32 otherwise) sets the sums'.
+    ``weight_dtype`` (the projections'; None: bf16 for 2-byte activations, fp32 otherwise) sets the sums';
+    ``summed``: how many of the three projections have gradients to sum (the frozen ones have none).
 
     Untiled, gate, up and the activation's output (the down projection's input) live from forward to
     backward, and backward adds d_hidden: about 4 x tokens x I activations. Tiled, the same four exist for one
@@ -161,5 +164,5 @@ def tiling_pays(tokens: int, hidden: int, intermediate: int, itemsize: int, num_
     if weight_dtype is None:
         weight_dtype = torch.bfloat16 if itemsize == 2 else torch.float32
     wide_sums = weight_dtype.itemsize < 4 and not narrow_sums(num_shards, weight_dtype)
-    sums = 3 * hidden * intermediate * 4 if wide_sums else 0
+    sums = summed * hidden * intermediate * 4 if wide_sums else 0
     return saved > sums

@@ -103,8 +103,12 @@ def _pays(fn, mlp_module, x, num_shards) -> bool:
     hidden = x.shape[-1]
     weight = getattr(gate, "weight", None)
     weight_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
+    # Only trainable projections have gradients to sum (LoRA on attention alone leaves the MLP frozen).
+    projections = [getattr(mlp_module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    weights = [getattr(p, "weight", None) for p in projections]
+    summed = sum(1 for w in weights if not isinstance(w, torch.Tensor) or w.requires_grad)
     tokens = x.numel() // max(hidden, 1)
-    return _tiling.tiling_pays(tokens, hidden, intermediate, x.element_size(), num_shards, weight_dtype)
+    return _tiling.tiling_pays(tokens, hidden, intermediate, x.element_size(), num_shards, weight_dtype, summed)
 
 
 # ----------------------------------------------------------------------------------------------------------
