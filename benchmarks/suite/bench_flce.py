@@ -19,7 +19,6 @@ On the CPU (the smoke test) the timings are wall-clock, back to back, and graphs
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,6 @@ import liger_kernels as lk
 import timing
 
 N, H, V = 32768, 4096, 128256
-GRAPH_CALLS = 20
 TINY = (64, 64, 256)
 HOST_CALLS, HOST_WARMUP = 300, 50  # read per call (the smoke test lowers them)
 QUICK = (48, 32, 80)
@@ -53,51 +51,15 @@ def synchronizes(fn) -> bool:
         torch.cuda.synchronize()
 
 
-def graph_ms(fn, replays=3, warm_replays=1):
-    """Median GPU time of one ``fn()`` from CUDA-graph replays of GRAPH_CALLS calls, captured on a side stream
-    so that autograd's backward is captured too; None when ``fn`` synchronizes with the host."""
+def graph_ms(fn):
+    """``timing.graph_ms`` of ``fn`` (3 replays: each call is tens of ms), or None when ``fn`` synchronizes
+    with the host."""
     fn()  # compilation, autotuning
     torch.cuda.synchronize()
     if synchronizes(fn):
         print("    (synchronizes with the host: no CUDA-graph timing)")
         return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(GRAPH_CALLS):
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    for _ in range(warm_replays):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / GRAPH_CALLS)
-    del graph
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def copy_bytes_per_s():
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
-
-
-def gemm_tflops():
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: a @ a, warmup=20, rep=200, return_mode="median")
-    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+    return timing.graph_ms(fn, replays=3, warm_replays=1)
 
 
 def eager(x, weight, target):
@@ -191,7 +153,7 @@ def measure(loss_fn, n, hidden, vocab, device="cuda"):
 def run(copy_bytes_per_s: float, n: int = N, hidden: int = H, vocab: int = V, device: str = "cuda") -> list:
     """One row per variant: op, shape, variant, timings (ms), host cost (us), peak GiB, TFLOP/s and the share
     of the measured bf16 GEMM peak. (The op is GEMM-bound: the copy ceiling is recorded, not divided by.)"""
-    peak = gemm_tflops() if device == "cuda" else None
+    peak = timing.gemm_tflops(device) if device == "cuda" else None
     rows = []
     for name, loss_fn in variants().items():
         print(f"  {name} ...", flush=True)
@@ -242,7 +204,7 @@ def main(argv=None):
         global HOST_CALLS, HOST_WARMUP
         HOST_CALLS, HOST_WARMUP = 5, 1
     cuda = args.device == "cuda"
-    ceiling = copy_bytes_per_s() if cuda else 0.0
+    ceiling = timing.copy_bytes_per_s("cuda") if cuda else 0.0
     n, hidden, vocab = QUICK if args.quick else (args.tokens, H, V)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{name}: copy {ceiling / 1e12:.2f} TB/s; FLCE N {n}, H {hidden}, V {vocab}, bf16")

@@ -22,7 +22,6 @@ thread, backward programs per multiprocessor), to choose the defaults in rms_nor
 import argparse
 import copy
 import json
-import statistics
 import sys
 import time
 import types
@@ -32,12 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 import liger_kernels as lk
-from timing import graph_ms  # noqa: E402  (CUDA-graph replay timing, shared by the suite)
+from timing import back_to_back_ms, copy_bytes_per_s, graph_ms  # noqa: E402  (the suite's shared timings)
 
 RMS = sys.modules["liger_kernels.rms_norm"]  # the module (the package's `rms_norm` is the function)
 SHAPES = [(32768, 4096), (8192, 8192)]
 HOST_SHAPE = (16, 4096)
-CALLS = 20
 EPS = 1e-6
 
 
@@ -115,32 +113,6 @@ def check_implementations(impls, hidden, device="cuda", dtype=torch.bfloat16):
 # Timing
 
 
-def eager_ms(fn, reps=30, warm=10):
-    """Median time per call of CALLS calls launched back to back (host cost included where it dominates)."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(CALLS):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device copy, launched back to back (a copy captured in a
-    CUDA graph becomes a copy-engine memcpy node, slower than the SMs' copy kernel)."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = eager_ms(lambda: dst.copy_(src), reps=20)
-    return 2 * src.numel() / (ms * 1e-3)
-
-
 def measure(module, rows, hidden, dtype=torch.bfloat16) -> dict:
     torch.manual_seed(0)
     x = torch.randn(rows, hidden, device="cuda", dtype=dtype, requires_grad=True)
@@ -150,7 +122,7 @@ def measure(module, rows, hidden, dtype=torch.bfloat16) -> dict:
     result = {"fwd_bytes": 2 * x.numel() * element + weight_bytes, "bwd_bytes": 3 * x.numel() * element + weight_bytes}
     with torch.no_grad():
         result["fwd_graph_ms"] = graph_ms(lambda: module(x))
-        result["fwd_eager_ms"] = eager_ms(lambda: module(x))
+        result["fwd_eager_ms"] = back_to_back_ms(lambda: module(x), "cuda")
     holder = {}
 
     def backward():
@@ -160,7 +132,7 @@ def measure(module, rows, hidden, dtype=torch.bfloat16) -> dict:
 
     result["bwd_graph_ms"] = graph_ms(backward)
     holder.clear()
-    result["bwd_eager_ms"] = eager_ms(backward)
+    result["bwd_eager_ms"] = back_to_back_ms(backward, "cuda")
     holder.clear()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -282,7 +254,7 @@ def main():
     results = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "copy_bytes_per_s": copy_bandwidth(),
+        "copy_bytes_per_s": copy_bytes_per_s("cuda"),
     }
     results["rows"] = run(results["copy_bytes_per_s"], sweep=args.sweep)
     if args.out:

@@ -18,7 +18,7 @@ Timings per row, medians:
   calls (what a host that keeps ahead of the GPU sees);
 - ``host``: CPU wall time per call on tiny inputs (B=1, S=16, 4 and 2 heads, D=64), 300 calls after 50 warm-up:
   the host's own cost (checks, dispatch, launch), for the forward and for forward + backward.
-The ceiling is a 1 GiB device-to-device copy measured in the same run (``copy_bandwidth``). Target: >= 85%.
+The ceiling is a 1 GiB device-to-device copy measured in the same run (``timing.copy_bytes_per_s``). Target: >= 85%.
 
 The peer writes its results into q and k (and its gradients into the output gradients) when their
 [B, S, H, D] memory is contiguous, as in the ``separate`` layout: its timings are right, its values drift
@@ -30,7 +30,6 @@ between calls, and nothing here reads them.
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import types
@@ -41,12 +40,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "torch-ext"))
 import liger_kernels as lk  # noqa: E402
-from timing import graph_ms  # noqa: E402  (CUDA-graph replay timing, shared by the suite)
+from timing import back_to_back_ms, copy_bytes_per_s, graph_ms, sync  # noqa: E402  (CUDA-graph replay timing, shared by the suite)
 
 SHAPE = {"batch": 1, "seq": 32768, "n_q": 32, "n_k": 8, "dim": 128}
 HOST_SHAPE = {"batch": 1, "seq": 16, "n_q": 4, "n_k": 2, "dim": 64}
 LAYOUTS = ("separate", "fused_qkv")
-GRAPH_CALLS = 20
 HOST_CALLS, HOST_WARMUP = 300, 50  # host_us's defaults, read per call (the smoke test lowers them)
 
 
@@ -109,49 +107,21 @@ def nbytes(*tensors):
 # Timing
 
 
-def _sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 # LIGER_BENCH_ROTARY_GRAPH=0 times eagerly only: a failed capture leaves the CUDA context unusable for the
 # rest of the process (see NOTES.md).
 GRAPH = os.environ.get("LIGER_BENCH_ROTARY_GRAPH", "1") != "0"
-
-
-def eager_ms(fn, device, repeats=15):
-    """Median time per call of GRAPH_CALLS calls launched back to back (CUDA events; wall clock on CPU)."""
-    for _ in range(3):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(GRAPH_CALLS):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / GRAPH_CALLS)
-        else:
-            start = time.perf_counter()
-            for _ in range(GRAPH_CALLS):
-                fn()
-            times.append((time.perf_counter() - start) * 1e3 / GRAPH_CALLS)
-    return statistics.median(times)
 
 
 def host_us(fn, device, calls=None, warmup=None):
     calls, warmup = calls or HOST_CALLS, warmup or HOST_WARMUP
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     elapsed = time.perf_counter() - start
-    _sync(device)
+    sync(device)
     return elapsed / calls * 1e6
 
 
@@ -202,8 +172,8 @@ def measure(fn, layout, shape, device):
         row["fwd_graph_ms"] = graph_ms(forward)
         row["bwd_graph_ms"] = graph_ms(backward)
         holder.clear()
-    row["fwd_eager_ms"] = eager_ms(forward, device)
-    row["bwd_eager_ms"] = eager_ms(backward, device)
+    row["fwd_eager_ms"] = back_to_back_ms(forward, device)
+    row["bwd_eager_ms"] = back_to_back_ms(backward, device)
     holder.clear()
     row["peak_gib"] = peak_gib(fn, q, k, cos, sin, device)
     del q, k, cos, sin, forward, backward
@@ -243,17 +213,6 @@ def run(copy_bytes_per_s: float, device: str = "cuda", shape=None, layouts=LAYOU
     return rows
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device copy (do_bench: at 1 GiB the launch cost is
-    negligible; a copy captured in a graph would run on the copy engines instead of the SMs)."""
-    from triton.testing import do_bench
-
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
-
-
 def table(rows) -> str:
     def fmt(row, key, spec):
         value = row.get(key)
@@ -283,7 +242,7 @@ def main():
     shape = dict(SHAPE, seq=args.seq)
     if args.device == "cpu":
         shape = dict(HOST_SHAPE, seq=args.seq if args.seq != SHAPE["seq"] else 64)
-    copy = copy_bandwidth() if args.device == "cuda" else 0.0
+    copy = copy_bytes_per_s("cuda") if args.device == "cuda" else 0.0
     if copy:
         print(f"copy bandwidth: {copy / 1e12:.2f} TB/s (read + write)")
     rows = run(copy, args.device, shape)
