@@ -1,4 +1,5 @@
-"""Issue #6 on two GPUs: DDP, FSDP2 and DeepSpeed ZeRO-3 with tiled vs untiled gated MLPs, NCCL.
+"""On two GPUs: DDP, FSDP2 (units on the MLP blocks, or also on each projection) and DeepSpeed ZeRO-3 with
+tiled vs untiled gated MLPs, NCCL.
 
     python scripts/multi_gpu.py [--gpus 2] [--hidden 1024] [--seq 8192]
 
@@ -48,11 +49,14 @@ def wrap(engine, model, dtype, rank):
 
         model = model.to(dtype)
         return DDP(model, device_ids=[rank]), lambda p: p.grad, lambda loss: loss.backward()
-    if engine == "fsdp2":
+    if engine in ("fsdp2", "fsdp2_proj"):
         from torch.distributed.fsdp import fully_shard
 
         model = model.to(dtype)
         for block in model:
+            if engine == "fsdp2_proj":  # units on the projections: gathered inside every shard
+                for proj in (block.gate_proj, block.up_proj, block.down_proj):
+                    fully_shard(proj)
             fully_shard(block)
         fully_shard(model)
         return model, lambda p: p.grad.full_tensor(), lambda loss: loss.backward()
@@ -106,7 +110,8 @@ def run(rank, world, port, args, out_dir):
                     step()
                     torch.cuda.synchronize()
                     peak = torch.cuda.max_memory_allocated() - before
-                    grads = [full_grad(p) for p in (wrapped.module if engine != "fsdp2" else wrapped).parameters()]
+                    owner = wrapped if engine.startswith("fsdp2") else wrapped.module
+                    grads = [full_grad(p) for p in owner.parameters()]
                     if dtype == torch.float32:
                         parity = max((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads))
                     else:
@@ -148,7 +153,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
     parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--engines", default="ddp,fsdp2,zero3")
+    parser.add_argument("--engines", default="ddp,fsdp2,fsdp2_proj,zero3")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     with socket.socket() as s:

@@ -49,6 +49,7 @@ def tiny_shards(request, monkeypatch):
     tiled machinery is what runs. Tests of the policy itself are marked ``shard_policy`` and see the real one."""
     if "lk" in request.fixturenames and "shard_policy" not in request.keywords:
         monkeypatch.setattr(request.getfixturevalue("lk")._tiling, "MIN_SHARD_TOKENS", 1)
+        monkeypatch.setattr(request.getfixturevalue("lk")._tiling, "MIN_SHARD_WORK", 0)
     yield
 
 

@@ -19,6 +19,7 @@ def _package(variant_root):
     workers run in their own processes, and their tiny MLPs must tile as real ones would."""
     lk = kernels.get_local_kernel(Path(variant_root))
     lk._tiling.MIN_SHARD_TOKENS = 1
+    lk._tiling.MIN_SHARD_WORK = 0
     return lk
 
 
@@ -167,7 +168,11 @@ def _engine_run(rank, world, variant_root, options):
     model, reference, units, loss_of = _models(options, variant_root, device)
     fsdp = options["engine"] == "fsdp2"
     if fsdp:
-        if options.get("wrap") in ("layers", "mlp"):
+        if options.get("wrap") == "projections":  # units inside the MLPs: each projection, then each MLP
+            for unit in units:
+                for proj in (unit.gate_proj, unit.up_proj, unit.down_proj):
+                    fully_shard(proj, reshard_after_forward=options.get("reshard", True))
+        if options.get("wrap") in ("layers", "mlp", "projections"):
             for unit in units:
                 fully_shard(unit, reshard_after_forward=options.get("reshard", True))
         fully_shard(model, reshard_after_forward=options.get("reshard", True))
@@ -264,7 +269,7 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
     lk = _package(variant_root)
     device = _device(options, rank)
     stage, accumulation = options["stage"], options.get("accumulation", 1)
-    seq = options.get("seq", 256)
+    seqs = options.get("seq_by_rank") or [options.get("seq", 256)] * world
     config = {
         "train_batch_size": world * accumulation,
         "train_micro_batch_size_per_gpu": 1,
@@ -291,24 +296,35 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
             return lk.CausalLMWithFusedLoss(model) if fused else model
 
         def loss_of(m, r, micro):
-            ids = torch.randint(0, 97, (1, seq), generator=torch.Generator().manual_seed(10 * micro + r))
+            ids = torch.randint(0, 97, (1, seqs[r]), generator=torch.Generator().manual_seed(10 * micro + r))
             ids = ids.to(device)
             if fused and m is not reference:
                 return m(input_ids=ids, labels=ids)
             return m(input_ids=ids, labels=ids).loss
     else:
         reference = torch.nn.Sequential(*[GatedMLP(64, 160) for _ in range(3)])
+        # "mlps": the package's tiled layer (the gated fast path); "mlps_generic": a user's fn that calls the
+        # projections, which DeepSpeed's hooks gather per shard unless the MLP is a ZeRO-3 leaf.
+        if options["model"] == "mlps":
+            tiled = lk.LigerTiledSwiGLUMLP.forward
+        else:
+
+            def tiled(block, x):
+                return lk.apply_tiled_mlp(GatedMLP.forward, block, x)
 
         def build():
             model = copy.deepcopy(reference)
             for block in model:
-                block.forward = types.MethodType(lk.LigerTiledSwiGLUMLP.forward, block)
+                block.forward = types.MethodType(tiled, block)
             return model
 
-        def loss_of(m, r, micro):
+        def loss_of(m, r, micro, seq=None):
             g = torch.Generator().manual_seed(10 * micro + r)
-            x = torch.randn(1, seq, 64, generator=g)
-            return (m(x.to(device)) * torch.randn(1, seq, 64, generator=g).to(device)).mean()
+            # A ZeRO-3 leaf's gradients are reduced by a full backward hook on the leaf, which fires before the
+            # leaf's backward when none of its inputs needs a gradient (plain modules too): a real model's
+            # hidden states always need one.
+            x = torch.randn(1, seq or seqs[r], 64, generator=g).requires_grad_(bool(options.get("leaf")))
+            return (m(x.to(device)) * torch.randn(1, seq or seqs[r], 64, generator=g).to(device)).mean()
 
     freeze = options.get("freeze")
     for name, p in reference.named_parameters():
@@ -326,11 +342,18 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
         model = build()
     for p, q in zip(model.parameters(), reference.parameters()):
         p.requires_grad_(q.requires_grad)
+    if options.get("leaf"):  # DeepSpeed then hooks the MLP alone and gathers all its weights around each call
+        from deepspeed.utils import set_z3_leaf_modules
+        from transformers.models.llama.modeling_llama import LlamaMLP
+
+        set_z3_leaf_modules(model, [GatedMLP, LlamaMLP])
     reference.to(device)
     engine, *_ = deepspeed.initialize(
         model=model, config=config, model_parameters=[p for p in model.parameters() if p.requires_grad]
     )
     partitioned = stage != 3 or all(p.numel() == 0 for p in engine.module.parameters())
+    if options.get("count_collectives"):
+        return _count_collectives(lk, engine, loss_of, rank)
     for micro in range(accumulation):
         engine.backward(loss_of(engine, rank, micro))
         for r in range(world):
@@ -354,6 +377,43 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
     del engine, model
     gc.collect()
     return {"grad_diff": grad_diff, "weight_diff": weight_diff, "missing": missing, "partitioned": partitioned}
+
+
+def _count_collectives(lk, engine, loss_of, rank):
+    """Collectives in a forward and backward at 2 and at 8 shards (64 wide, one-token minimum shard), each
+    measured on its second step (DeepSpeed records its module trace on the first steps, and a new sequence
+    length changes what it prefetches), and how many tiled calls agreed on their count across ranks. Only
+    the counts matter: the weights move freely."""
+    agreed, harmonize = [], lk._tiling.harmonize_num_shards
+    lk._tiling.harmonize_num_shards = lambda count, x: agreed.append(count) or harmonize(count, x)
+    engine.backward(loss_of(engine, rank, 0))
+    engine.step()
+    counts = {}
+    for seq in (128, 128, 512, 512):
+        counts[seq] = _collectives(lambda seq=seq: engine.backward(loss_of(engine, rank, 0, seq)))
+        engine.step()
+    return {"collectives": counts, "agreed": len(agreed)}
+
+
+def _collectives(step) -> list[int]:
+    """[DeepSpeed's, c10d's]: the collectives ``step()`` issues through DeepSpeed's communication backend
+    (its gathers, on CPU partly outside c10d), and the c10d collectives the profiler records (any issued
+    through torch.distributed directly)."""
+    from deepspeed.comm import comm
+    from torch.profiler import ProfilerActivity, profile
+
+    backend, calls, originals = comm.cdb, [], {}
+    for name in dir(backend):
+        if name.startswith(("all_", "allgather", "reduce", "broadcast", "gather", "scatter", "inference_all")):
+            originals[name] = getattr(backend, name)
+            setattr(backend, name, lambda *a, _f=originals[name], _n=name, **k: calls.append(_n) or _f(*a, **k))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+    finally:
+        for name, fn in originals.items():
+            setattr(backend, name, fn)
+    return [len(calls), sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))]
 
 
 # ----------------------------------------------------------------------------------------------------------

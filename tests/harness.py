@@ -224,14 +224,14 @@ def call(module, x):
     return module(x)
 
 
-def tiled_and_untiled_grads(lk, module, x, num_shards, d_out=None, compute_params=None):
-    """(out, grads) of the tiled call and of the plain module; grads: x's (if it requires grad), then every
-    parameter's .grad (None where it stays None)."""
+def tiled_and_untiled_grads(lk, module, x, num_shards, d_out=None, compute_params=None, fn=call):
+    """(out, grads) of the tiled call of ``fn`` and of the plain module; grads: x's (if it requires grad), then
+    every parameter's .grad (None where it stays None)."""
     results = []
     for tiled in (True, False):
         module.zero_grad(set_to_none=True)
         leaf = x.detach().requires_grad_(x.requires_grad)
-        out = lk.apply_tiled_mlp(call, module, leaf, num_shards, compute_params) if tiled else module(leaf)
+        out = lk.apply_tiled_mlp(fn, module, leaf, num_shards, compute_params) if tiled else module(leaf)
         if d_out is None:
             d_out = torch.randn_like(out)
         out.backward(d_out)

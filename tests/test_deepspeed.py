@@ -24,6 +24,16 @@ CASES = {
     "ZeRO-3, llama, embeddings and norms frozen": {"model": "llama", "stage": 3, "freeze": "embed_norm"},
     "ZeRO-3, llama, everything outside the MLPs frozen": {"model": "llama", "stage": 3, "freeze": "non_mlp"},
     "ZeRO-3, llama, fused loss (causal_lm_loss)": {"model": "llama_fused_loss", "stage": 3},
+    "ZeRO-3, ranks with different shard counts": {"model": "mlps", "stage": 3, "seq_by_rank": [128, 512]},
+    "ZeRO-3, MLPs as ZeRO-3 leaves, different shard counts": {
+        "model": "mlps",
+        "stage": 3,
+        "leaf": True,
+        "seq_by_rank": [128, 512],
+    },
+    "ZeRO-3, a user's fn, MLPs as ZeRO-3 leaves": {"model": "mlps_generic", "stage": 3, "leaf": True},
+    "ZeRO-3, a user's fn gathered per shard": {"model": "mlps_generic", "stage": 3, "seq": 250},
+    "ZeRO-3, llama, MLPs as ZeRO-3 leaves": {"model": "llama", "stage": 3, "leaf": True},
     "ZeRO-2, gated MLP stack": {"model": "mlps", "stage": 2},
     "ZeRO-2, llama, reduce_bucket_size 4096": {"model": "llama", "stage": 2, "bucket": 4096},
 }
@@ -36,3 +46,26 @@ def test_zero_matches_untiled_reference(variant_root, tmp_path, case):
         assert result["missing"] == [], result
         assert result["grad_diff"] <= 1e-6, result
         assert result["weight_diff"] <= 1e-6, result
+
+
+COLLECTIVE_CASES = {  # name: (options, whether the count may grow with the shards)
+    "the package's layer: gathered once by the tiled call": ({"model": "mlps"}, False),
+    "a user's fn, MLP a ZeRO-3 leaf: gathered once by DeepSpeed": ({"model": "mlps_generic", "leaf": True}, False),
+    "a user's fn on hooked projections: gathered per shard": ({"model": "mlps_generic"}, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COLLECTIVE_CASES))
+def test_no_collective_runs_per_shard(variant_root, tmp_path, case):
+    """The collectives in a ZeRO-3 forward and backward of three tiled MLPs, at 2 and at 8 shards: the same
+    count, so none runs inside the shard loop, and no tiled call agrees its shard count across ranks. The
+    per-shard layout (a user's fn calling projections that DeepSpeed hooks) is the control: there the count
+    grows with the shards, so the counter sees them, and the shard count is agreed."""
+    options, grows = COLLECTIVE_CASES[case]
+    for result in launch(zero_case, 2, variant_root, {**options, "stage": 3, "count_collectives": True}, tmp_path):
+        (engine_two, c10d_two), (engine_eight, c10d_eight) = result["collectives"]["128"], result["collectives"]["512"]
+        assert engine_two > 0, result  # the engine's own gathers and reductions are counted
+        if grows:
+            assert engine_eight > engine_two and result["agreed"] > 0, result
+        else:  # and no all-reduce of the shard count
+            assert (engine_eight, c10d_eight) == (engine_two, c10d_two) and result["agreed"] == 0, result

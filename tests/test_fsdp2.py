@@ -15,6 +15,7 @@ CASES = {
     "llama, embeddings and norms frozen": {"model": "llama", "wrap": "layers", "freeze": True},
     "llama, fused loss (causal_lm_loss), layers and lm_head sharded": {"model": "llama_fused_loss", "wrap": "layers"},
     "gated MLP stack, each MLP + root": {"model": "mlps", "wrap": "mlp"},
+    "gated MLP stack, each projection + each MLP + root (runs untiled)": {"model": "mlps", "wrap": "projections"},
     "gated MLP stack, accumulation": {"model": "mlps", "wrap": "mlp", "micro_batches": 2},
 }
 

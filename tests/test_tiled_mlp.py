@@ -104,6 +104,28 @@ def test_automatic_shard_count(lk, seq, hidden, expected):
     assert lk._tiling.auto_num_shards(torch.empty(batch, seq, hidden, device="meta")) == expected
 
 
+@pytest.mark.shard_policy
+@pytest.mark.parametrize(
+    "hidden, intermediate, seq, expected",
+    [
+        (1024, 2816, 8192, 1),  # each shard needs >= 11,916 rows of GEMM work here: untiled (the fused MLP)
+        (1024, 2816, 65536, 5),
+        (2048, 8192, 16384, 8),  # exactly the minimum work at 2048 tokens
+        (4096, 14336, 32768, 8),  # ceil(S / H) shards, far above the minimum work
+        (8192, 28672, 16384, 2),
+    ],
+)
+def test_automatic_shard_count_keeps_a_minimum_of_gemm_work_per_shard(lk, hidden, intermediate, seq, expected):
+    """A gated MLP's count (the tiled layers pass I) also keeps rows x H x I per shard at least
+    MIN_SHARD_WORK: the host's fixed cost per shard is then small against each shard's GEMMs. The tiled call
+    reads I from the module, so a narrow MLP runs as the plain one."""
+    x = torch.empty(1, seq, hidden, device="meta")
+    assert lk._tiling.auto_num_shards(x, intermediate) == expected
+    with torch.device("meta"):
+        mlp = GatedMLP(hidden, intermediate)
+    assert lk.tiled_mlp.intermediate_size(mlp) == intermediate
+
+
 def test_frozen_engine_parameters_make_ranks_agree_on_the_shard_count(lk, monkeypatch):
     """ZeRO-3 gathers frozen parameters per shard too (LoRA on attention only leaves the MLP frozen): such a
     module still counts as gathered per shard, so the automatic count is agreed across ranks and the call
@@ -112,7 +134,7 @@ def test_frozen_engine_parameters_make_ranks_agree_on_the_shard_count(lk, monkey
     for p in mlp.parameters():
         p.requires_grad_(False)
         p.ds_id = 0  # what marks a DeepSpeed ZeRO-3 parameter
-    assert lk._tiling.gathers_per_shard(mlp, [])
+    assert lk._tiling.engine_managed(mlp, [])
     agreed = []
 
     def harmonize(count, x):
@@ -166,11 +188,12 @@ def test_bad_arguments(lk):
 
 
 def accumulation_log(module):
-    log = {name: [] for name, _ in module.named_parameters()}
+    log = {name: [] for name, p in module.named_parameters() if p.requires_grad}
     for name, p in module.named_parameters():
-        p.register_post_accumulate_grad_hook(
-            lambda p, name=name: log[name].append(getattr(p, "ds_grad_is_ready", None))
-        )
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name: log[name].append(getattr(p, "ds_grad_is_ready", None))
+            )
     return log
 
 
@@ -189,6 +212,46 @@ def test_zero3_accumulates_per_shard_and_flags_the_last(lk):
     lk.apply_tiled_mlp(call, module, x, 8).sum().backward()
     for name, flags in log.items():
         assert flags == [False] * 7 + [True], name
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "gate frozen"])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x needs grad", "x needs none"])
+def test_zero3_weights_on_the_fast_path_are_gathered_once_and_accumulate_once(lk, x_grad, frozen):
+    """The package's layer math on ZeRO-3 weights (marked as DeepSpeed marks them; tests/test_deepspeed.py runs
+    the real engine) takes the fast path and gathers the weights itself, once per call: nothing is agreed
+    across ranks, the float64 gradients equal untiled ones, and each weight accumulates exactly once
+    (DeepSpeed reduces a gradient on every accumulation)."""
+    torch.manual_seed(0)
+    module = mark_zero3(GatedMLP(H, 160).double())
+    module.gate_proj.weight.requires_grad_(not frozen)
+    fn = lk.gated_mlp.swiglu_mlp
+    x = torch.randn(2, 256, H, dtype=torch.float64, requires_grad=x_grad)
+    layout = lk.tiled_mlp._layout(fn, module, x, [p for p in module.parameters() if p.requires_grad])
+    assert layout.gather == list(module.parameters()) and not layout.agree
+    log = accumulation_log(module)
+    tiled, untiled = tiled_and_untiled_grads(lk, module, x, 4, fn=fn)
+    assert max_abs_diff(tiled, untiled) < 1e-12
+    assert {name: len(fired) for name, fired in log.items()} == {name: 2 for name in log}  # tiled, untiled once
+    assert ("gate_proj.weight" in log) != frozen
+
+
+def test_zero3_layouts(lk):
+    """Who gathers ZeRO-3 weights: DeepSpeed around the call (the MLP or a module above it is a ZeRO-3 leaf:
+    the weights are ordinary inputs), the tiled call itself (the fast path), or DeepSpeed per shard (a
+    user's fn on hooked projections: the count is agreed across ranks). A leaf below the MLP is not enough."""
+    fn, x = lk.gated_mlp.swiglu_mlp, torch.randn(1, 128, H, dtype=torch.float64)
+
+    def layout(module, f=fn):
+        return lk.tiled_mlp._layout(f, module, x, list(module.parameters()))
+
+    module = mark_zero3(GatedMLP(H, 160).double())
+    assert layout(module, call) == ([*module.parameters()], [], True)
+    for leaf in (module, torch.nn.Sequential(module)):
+        for p in module.parameters():
+            p.ds_z3_leaf_module = leaf
+        assert layout(module) == ([], [], False) and layout(module, call) == ([], [], False)
+    module.gate_proj.weight.ds_z3_leaf_module = module.gate_proj
+    assert layout(module, call) == ([*module.parameters()], [], True)
 
 
 def autocast_grads(lk, module, base, d_out, tiled, leaf, enabled=True):

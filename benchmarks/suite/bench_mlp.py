@@ -104,7 +104,7 @@ def run_shapes(shapes=SHAPES, device: str = "cuda", names=SHAPE_IMPLS, num_shard
     lk = timing.package()
     rows = []
     for (hidden, intermediate, seq), (time_target, memory_target) in shapes.items():
-        shards = lk._tiling.auto_num_shards(torch.empty(1, seq, hidden, device="meta"))
+        shards = lk._tiling.auto_num_shards(torch.empty(1, seq, hidden, device="meta"), intermediate)
         for row in run([seq], device, hidden, intermediate, untiled_max_seq=seq, names=names, num_shards=num_shards):
             row.update(hidden=hidden, intermediate=intermediate, auto_shards=shards)
             row.update(time_target=time_target, memory_target=memory_target)

@@ -10,7 +10,7 @@ Reading order for a newcomer:
                          are its public faces
   rms_norm.py, rotary.py, cross_entropy.py, fused_linear_cross_entropy.py, loss.py: the other kernels
   _hosts.py, gated_mlp.py   what a host module computes, and the gated MLP math the layers run
-  tiled_mlp.py           the tiled MLP (with _tiling, _replay, _tiled_gated, _grad_sums beside it)
+  tiled_mlp.py           the tiled MLP (with _tiling, _replay, _tiled_gated, _grad_sums, _zero3 beside it)
   layers.py, mapping.py  the kernelize layers and the mapping that names them
 """
 

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from . import _zero3
 from . import rms_norm as _rms_norm
 from .activations import REGISTRY
 
@@ -178,28 +179,30 @@ def gated_form(cls) -> HostForm:
     return known
 
 
-def _hooks_anywhere(module: nn.Module) -> bool:
+def _hooks_anywhere(module: nn.Module, ignore=None) -> bool:
+    """Any module hook on ``module`` or a global one; ``ignore(hook)`` True leaves a hook of the module's own
+    out of the count."""
     hooks = nn.modules.module
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or hooks._global_forward_hooks
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return any(not (ignore and ignore(hook)) for table in own for hook in table.values()) or bool(
+        hooks._global_forward_hooks
         or hooks._global_forward_pre_hooks
         or hooks._global_backward_hooks
         or hooks._global_backward_pre_hooks
     )
 
 
-def is_plain_linear(module) -> bool:
+def is_plain_linear(module, engine_gathers: bool = False) -> bool:
     """A module whose call is exactly ``F.linear(x, weight, bias)`` with weights that hold values: the class
     is nn.Linear itself (not a subclass, not a parametrization's or a LoRA wrapper's class), no hook of any
-    kind, no forward set on the instance (accelerate's offload hooks do that), no meta weights."""
+    kind, no forward set on the instance (accelerate's offload hooks do that), no meta weights.
+
+    engine_gathers: the caller gathers DeepSpeed ZeRO-3 weights itself (the tiled MLP, see _zero3), so the
+    hooks ZeRO-3 put on the module to gather and release them do not count."""
     return (
         type(module) is nn.Linear
         and "forward" not in module.__dict__
-        and not _hooks_anywhere(module)
+        and not _hooks_anywhere(module, _zero3.is_engine_hook if engine_gathers else None)
         and not module.weight.is_meta
     )
 
@@ -374,7 +377,9 @@ def declare_rms_norm_host(host_class, casting="llama", offset=0.0, eps_attribute
 
 
 def has_hooks(module: nn.Module) -> bool:
-    """Any module hook of the module's own (forward, pre-forward, backward, pre-backward)."""
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-    )
+    """Any module hook of the module's own (forward, pre-forward, backward, pre-backward), other than the ones
+    DeepSpeed ZeRO-3 puts on every module it manages: on a module without parameters (an activation) they
+    gather and release nothing."""
+    tables = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    engine_only = next(module.parameters(), None) is None
+    return any(not (engine_only and _zero3.is_engine_hook(hook)) for table in tables for hook in table.values())

@@ -1,9 +1,10 @@
 """The tiled MLP's fast path for gated MLPs: ``down(act(gate(x)) * up(x))`` computed from the weights.
 
 Taken only where the code that owns the MLP's math declares it equivalent (``fn.tiled_fast_path(module)``,
-see gated_mlp.py) and this call adds nothing the plain math would miss: no autocast, no ZeRO-3 parameters,
-weights of x's dtype and device, and every weight that requires grad among the parameters the tiled call
-delivers gradients to. The weights are captured in forward and used again in backward, never re-read from
+see gated_mlp.py) and this call adds nothing the plain math would miss: no autocast, weights of x's dtype
+and device, and every weight that requires grad among the parameters the tiled call delivers gradients to.
+DeepSpeed ZeRO-3 weights are gathered around the fast path by the tiled call (see _zero3).
+The weights are captured in forward and used again in backward, never re-read from
 the module (torch.func.functional_call puts other tensors back in between).
 
 Backward recomputes only gate and up (11 GEMM-units per step, against 9 untiled and 12 for the generic
@@ -31,10 +32,11 @@ class GatedPlan(NamedTuple):
     down: tuple
 
 
-def gated_plan(fn, mlp_module, x, params, zero3_params) -> GatedPlan | None:
-    """The plan for the fast path, or None where only the generic recompute (which calls fn) is exact."""
+def gated_plan(fn, mlp_module, x, params) -> GatedPlan | None:
+    """The plan for the fast path, or None where only the generic recompute (which calls fn) is exact.
+    ``params``: every tensor whose gradient the tiled call delivers."""
     declare = getattr(fn, "tiled_fast_path", None)
-    if declare is None or zero3_params or _replay.autocast_enabled(x.device.type):
+    if declare is None or _replay.autocast_enabled(x.device.type):
         return None
     activation = declare(mlp_module)
     if activation is None:

@@ -4,11 +4,12 @@
   that each shard's S x I intermediates are about the size of one weight matrix; but no shard of fewer than
   MIN_SHARD_TOKENS rows (batch x shard length), below which the GEMMs lose efficiency and each shard's own
   host cost (a Python-level loop step with its own launches) shows; and at most MAX_AUTO_SHARDS.
-* Under torch.distributed no collective runs, except where the parameters are gathered inside each shard
-  (DeepSpeed ZeRO-3 parameters, or FSDP2 units inside the MLP): there ranks must run the same number of
-  shards or a rank would wait forever in a gather, so the count is the maximum over ranks. Such engines
-  already require every rank to call the module; nothing else pays for a collective (rank-0-only
-  evaluation, generation, MoE experts called a different number of times per rank).
+* Under torch.distributed no collective runs, except where DeepSpeed gathers the parameters inside each
+  shard (a user's fn calling ZeRO-3 projections of an MLP that is not a ZeRO-3 leaf; see _zero3 for the
+  layouts that gather once per call instead): there ranks must run the same number of shards or a rank
+  would wait forever in a gather, so the count is the maximum over ranks. ZeRO-3 already requires every rank
+  to call the module; nothing else pays for a collective (rank-0-only evaluation, generation, MoE experts
+  called a different number of times per rank).
 * Some calls run untiled, because only the plain call is exact there (``untiled_reason``), or because
   tiling would not lower the peak (``tiling_pays``).
 """
@@ -29,6 +30,11 @@ MAX_AUTO_SHARDS = 100
 # 4 shards of 2048 tokens take 3.2 ms where ceil(S / H) = 8 shards took 5.5. From H = 2048 on, ceil(S / H)
 # shards are already at least this long.
 MIN_SHARD_TOKENS = 2048
+# The host's cost per shard is fixed (a loop step of Python and launches, ~0.4 ms), so for a narrow MLP a
+# shard must also carry enough GEMM work: rows x H x I multiply-adds per projection of at least what a
+# 2048-token shard does at H 2048, I 8192. At H 1024, I 2816, S 8192 (the whole fused MLP 1.45 ms) the token
+# rule alone gave 4 shards and 3.8 ms; this one leaves that MLP untiled (benchmarks/NOTES.md §14).
+MIN_SHARD_WORK = 2048 * 2048 * 8192
 
 
 def check_num_shards(num_shards) -> int | None:
@@ -39,19 +45,25 @@ def check_num_shards(num_shards) -> int | None:
     return num_shards
 
 
-def auto_num_shards(x: torch.Tensor) -> int:
-    """min(ceil(S / H), rows // MIN_SHARD_TOKENS, MAX_AUTO_SHARDS), at least 1 (see the module docstring). The
-    minimum counts the rows a shard's GEMMs see: batch x shard length, so a batch of short sequences tiles."""
+def auto_num_shards(x: torch.Tensor, intermediate: int | None = None) -> int:
+    """min(ceil(S / H), rows // min_rows, MAX_AUTO_SHARDS), at least 1 (see the module docstring), where
+    min_rows is MIN_SHARD_TOKENS, or for an MLP of ``intermediate`` columns enough rows for MIN_SHARD_WORK if
+    that is more. The minimum counts the rows a shard's GEMMs see: batch x shard length, so a batch of short
+    sequences tiles."""
     seq_len, hidden = x.shape[-2], x.shape[-1]
     rows = math.prod(x.shape[:-1])
-    return max(1, min(math.ceil(seq_len / max(hidden, 1)), rows // MIN_SHARD_TOKENS, MAX_AUTO_SHARDS))
+    min_rows = MIN_SHARD_TOKENS
+    if intermediate:
+        min_rows = max(min_rows, math.ceil(MIN_SHARD_WORK / (max(hidden, 1) * intermediate)))
+    return max(1, min(math.ceil(seq_len / max(hidden, 1)), rows // max(min_rows, 1), MAX_AUTO_SHARDS))
 
 
-def num_shards_for(requested: int | None, x: torch.Tensor, gathers_per_shard: bool) -> int:
+def num_shards_for(requested: int | None, x: torch.Tensor, agree: bool, intermediate: int | None = None) -> int:
+    """The shard count: ``requested``, or the automatic one (agreed across ranks where ``agree``)."""
     if requested is not None:
         return requested
-    count = auto_num_shards(x)
-    return harmonize_num_shards(count, x) if gathers_per_shard else count
+    count = auto_num_shards(x, intermediate)
+    return harmonize_num_shards(count, x) if agree else count
 
 
 def harmonize_num_shards(num_shards: int, x: torch.Tensor) -> int:
@@ -83,18 +95,21 @@ def _fsdp_module_class():
     return FSDPModule
 
 
-def gathers_per_shard(mlp_module, zero3_params) -> bool:
-    """Whether the module's parameters are gathered inside every shard's call: ZeRO-3 parameters (among
-    ``zero3_params``, or any of the module's own, trainable or frozen: a frozen one is gathered all the same),
-    or FSDP2 units strictly inside the MLP (an FSDP2 unit at the MLP or above gathers once around the call)."""
-    if zero3_params:
-        return True
-    if isinstance(mlp_module, nn.Module) and any(hasattr(p, "ds_id") for p in mlp_module.parameters()):
-        return True
+def fsdp_units_inside(mlp_module) -> bool:
+    """FSDP2 units strictly inside the MLP, which gather their parameters on every call (an FSDP2 unit at the
+    MLP or above gathers once around the call)."""
     fsdp = _fsdp_module_class()
     if fsdp is None or not isinstance(mlp_module, nn.Module):
         return False
     return any(isinstance(m, fsdp) for m in mlp_module.modules() if m is not mlp_module)
+
+
+def engine_managed(mlp_module, params) -> bool:
+    """Whether DeepSpeed ZeRO-3 manages parameters of the call (among ``params`` or the module's own,
+    trainable or frozen), hooking the modules inside the MLP to gather them."""
+    if any(hasattr(p, "ds_id") for p in params):
+        return True
+    return isinstance(mlp_module, nn.Module) and any(hasattr(p, "ds_id") for p in mlp_module.parameters())
 
 
 def _has_backward_hooks(mlp_module) -> bool:
@@ -123,20 +138,25 @@ def untiled_reason(mlp_module, x: torch.Tensor, params) -> str | None:
     """Why this call must run as the plain ``fn(mlp_module, x)``, or None to tile it.
 
     * torch.func transforms: their wrapped tensors cannot cross the tiled Function's recompute.
+    * FSDP2 units inside the MLP (``fully_shard`` on the projections): each unit's forward swaps in
+      unsharded parameters that are not the module's registered ones, and reduces their gradients in its
+      own backward hook, so a tiled call could neither deliver their gradients once nor gather once.
+      Shard at the MLP or above (one gather around the call) to tile.
     * Module backward hooks inside the MLP (gradient monitors, per-layer clipping, K-FAC): tiled, they would
       fire once per shard with a slice of the gradient instead of once with all of it. (A hook on the MLP
       module itself fires around the whole call either way.)
     * Module forward hooks inside the MLP, and buffers (spectral_norm's power iteration, running
       statistics): both may carry state from call to call, and a tiled call runs each module once per shard
-      in forward and again in the recompute. DeepSpeed ZeRO-3 and FSDP2 hooks only gather and release
-      parameters: those modules still tile.
+      in forward and again in the recompute. DeepSpeed ZeRO-3 hooks only gather and release parameters:
+      those modules still tile.
     """
     if transforms_active(x, *params):
         return "torch.func transform"
+    if fsdp_units_inside(mlp_module):
+        return "FSDP2 units inside the MLP"
     if _has_backward_hooks(mlp_module):
         return "module backward hooks"
-    engine = gathers_per_shard(mlp_module, [p for p in params if hasattr(p, "ds_id")])
-    if not engine and _has_forward_hooks(mlp_module):
+    if not engine_managed(mlp_module, params) and _has_forward_hooks(mlp_module):
         return "module forward hooks"
     if _has_buffers(mlp_module):
         return "module buffers"

@@ -64,11 +64,13 @@ class GatedMLP:
 
     def tiled_fast_path(self, module: nn.Module) -> GatedActivation | None:
         """The activation, when the tiled MLP may compute this math from the projections' weights directly:
-        separate projections, each a plain nn.Linear (see ``_hosts.is_plain_linear``). None otherwise."""
+        separate projections, each a plain nn.Linear (see ``_hosts.is_plain_linear``; the tiled MLP gathers
+        DeepSpeed ZeRO-3 weights itself, so ZeRO-3's own hooks on them do not count). None otherwise."""
         activation, form = self.check(module)
         if form != _hosts.SEPARATE or _activation_is_hooked(module):
             return None
-        if not all(_hosts.is_plain_linear(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj")):
+        projections = [getattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(_hosts.is_plain_linear(p, engine_gathers=True) for p in projections):
             return None
         return activation
 

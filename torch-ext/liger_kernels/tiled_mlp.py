@@ -12,17 +12,21 @@ autograd Function and their gradients are *returned* from its backward, summed o
 and cast once, so autograd accumulates each one exactly once per backward and no AccumulateGrad node (where DDP and
 FSDP hang their per-parameter hooks) fires inside the shard loop.
 
-DeepSpeed ZeRO-3 is the exception: its partitioned parameters (marked by ``ds_id``) are 0-sized outside their
-module's forward, so they cannot be Function inputs. They keep a per-shard path: each shard's backward
-accumulates into ``.grad`` through DeepSpeed's own hooks, with ``ds_grad_is_ready`` False on every shard but
-the last, which defers DeepSpeed's reduction to the last shard.
+DeepSpeed ZeRO-3 parameters are gathered once per call, not once per shard (``_zero3``): where DeepSpeed
+gathers them around the whole call (the MLP is a ZeRO-3 leaf) they are ordinary inputs; where the gated
+fast path runs, the call gathers them itself and delivers each summed gradient to DeepSpeed once. Only a
+user's ``fn`` that calls hooked projections keeps DeepSpeed's per-shard path: those parameters are 0-sized
+outside their module's forward, so they cannot be Function inputs; each shard's backward accumulates into
+``.grad`` through DeepSpeed's own hooks, with ``ds_grad_is_ready`` False on every shard but the last, which
+defers DeepSpeed's reduction to the last shard.
 """
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from . import _backend, _replay, _tiling
+from . import _backend, _replay, _tiling, _zero3
 from ._grad_sums import accumulate, cast_each, narrow_sums
 from ._tiled_gated import gated_mlp_backward, gated_mlp_forward, gated_plan
 
@@ -73,23 +77,54 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     params = trainable_params(mlp_module, compute_params)
     if _tiling.untiled_reason(mlp_module, x, params) is not None:
         return fn(mlp_module, x)
-    zero3 = [p for p in params if is_zero3(p)]
-    gathers = _tiling.gathers_per_shard(mlp_module, zero3)
-    num_shards = _tiling.num_shards_for(requested, x, gathers)
-    # Where parameters are gathered per shard, every rank must take the same branch: the choice reads this
-    # rank's tokens, so those engines always tile.
+    layout = _layout(fn, mlp_module, x, params)
+    num_shards = _tiling.num_shards_for(requested, x, layout.agree, intermediate_size(mlp_module))
+    # Where ranks must agree (parameters gathered per shard, or per call by the tiled call itself), every rank
+    # must also take the same branch: the choice reads this rank's tokens, so those calls always tile.
     if (
         tile is None
         and requested is None
-        and not gathers
+        and not (layout.agree or layout.gather)
         and (num_shards <= 1 or not _pays(fn, mlp_module, x, num_shards))
     ):
         return fn(mlp_module, x)
-    explicit = [] if zero3 else params
-    # ZeRO-3 weights are not Function inputs; when x needs no grad either, an anchor input makes the output
-    # require grad so that backward (and with it the weights' per-shard accumulation) runs at all.
-    anchor = torch.empty(0, device=x.device, requires_grad=True) if zero3 and not x.requires_grad else None
+    zero3 = layout.zero3
+    explicit = [p for p in params if not any(p is z for z in zero3)]
+    # Per-call ZeRO-3 weights are not Function inputs; when nothing else needs a gradient, an anchor input
+    # makes the output require grad so that backward (and with it the weights' gradients) runs at all.
+    anchor = None
+    if zero3 and not x.requires_grad and not explicit:
+        anchor = torch.empty(0, device=x.device, requires_grad=True)
     return LigerTiledMLPFunction.apply(fn, mlp_module, x, num_shards, zero3, anchor, *explicit)
+
+
+class _Layout(NamedTuple):
+    zero3: list  # trainable ZeRO-3 parameters whose gradients the call hands to DeepSpeed (not inputs)
+    gather: list  # ZeRO-3 parameters the call gathers itself, once in forward and once in backward
+    agree: bool  # parameters are gathered per shard: ranks must run the same shard count
+
+
+def _layout(fn, mlp_module, x, params) -> _Layout:
+    """How this call meets the engines that gather parameters (see ``_zero3``): shapes and module structure
+    only, the same on every rank."""
+    if _zero3.gathered_around_call(mlp_module):  # whole for the call: ordinary inputs
+        owned = {id(p) for p in _zero3.module_params(mlp_module)}
+        zero3 = [p for p in params if _zero3.is_zero3(p) and id(p) not in owned]
+        return _Layout(zero3, [], bool(zero3))
+    zero3 = [p for p in params if _zero3.is_zero3(p)]
+    engine = _zero3.module_params(mlp_module)
+    if (zero3 or engine) and gated_plan(fn, mlp_module, x, params) is not None:
+        return _Layout(zero3, engine, False)
+    return _Layout(zero3, [], bool(zero3 or engine))
+
+
+def intermediate_size(mlp_module) -> int | None:
+    """I of a gated MLP with ``gate_proj`` (or Phi-3's fused ``gate_up_proj``) Linears, else None."""
+    gate = getattr(mlp_module, "gate_proj", None)
+    if isinstance(getattr(gate, "out_features", None), int):
+        return gate.out_features
+    fused = getattr(getattr(mlp_module, "gate_up_proj", None), "out_features", None)
+    return fused // 2 if isinstance(fused, int) else None
 
 
 def _pays(fn, mlp_module, x, num_shards) -> bool:
@@ -97,7 +132,7 @@ def _pays(fn, mlp_module, x, num_shards) -> bool:
     if getattr(fn, "tiled_fast_path", None) is None:
         return True
     gate = getattr(mlp_module, "gate_proj", None)
-    intermediate = getattr(gate, "out_features", None)
+    intermediate = intermediate_size(mlp_module)
     if intermediate is None:
         return True
     hidden = x.shape[-1]
@@ -113,10 +148,6 @@ def _pays(fn, mlp_module, x, num_shards) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------
 # Parameters
-
-
-def is_zero3(param: torch.Tensor) -> bool:
-    return hasattr(param, "ds_id")
 
 
 def trainable_params(mlp_module, compute_params) -> list[torch.Tensor]:
@@ -187,8 +218,9 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         requested = _tiling.check_num_shards(num_shards)
         ctx.fn, ctx.mlp_module = fn, mlp_module
         ctx.zero3_params, ctx.params = list(zero3_params), list(params)
+        layout = _layout(fn, mlp_module, x, ctx.params + ctx.zero3_params)
         if requested is None:
-            requested = _tiling.num_shards_for(None, x, _tiling.gathers_per_shard(mlp_module, ctx.zero3_params))
+            requested = _tiling.num_shards_for(None, x, layout.agree, intermediate_size(mlp_module))
         ctx.bounds = _tiling.shard_bounds(x.shape[-2], requested)
         ctx.autocast = _replay.autocast_state(x.device.type)
         ctx.rng = _replay.capture_rng(x.device)
@@ -196,13 +228,15 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         # Autocast caches its casts of leaf tensors that require grad; the recompute feeds fn a shard of the
         # same kind (leaf or not) as x, so that it makes the same casts and the same gradient sums as untiled.
         ctx.x_is_grad_leaf = x.is_leaf and x.requires_grad
-        ctx.gated = gated_plan(fn, mlp_module, x, ctx.params, ctx.zero3_params)
+        ctx.gated = gated_plan(fn, mlp_module, x, ctx.params + ctx.zero3_params)
+        ctx.gather = layout.gather if ctx.gated is not None else []
         # The parameters are saved as well as x: a weight changed in place before backward (an optimizer or EMA
         # step) then raises autograd's own error, as the plain module's saved weights do, instead of the
         # recompute silently using the new values.
         ctx.save_for_backward(x, *params)
         if ctx.gated is not None:
-            return gated_mlp_forward(ctx.gated, x, ctx.bounds)
+            with _zero3.gathered(ctx.gather):
+                return gated_mlp_forward(ctx.gated, x, ctx.bounds)
         out = None
         for start, length in ctx.bounds:
             shard_out = fn(mlp_module, x.narrow(-2, start, length))
@@ -228,8 +262,11 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         x = ctx.saved_tensors[0]
         want_x = ctx.needs_input_grad[2]
         if ctx.gated is not None:
-            d_x, grads = gated_mlp_backward(ctx.gated, ctx.params, ctx.bounds, x, d_out, want_x)
-            return (None, None, d_x, None, None, None, *grads)
+            explicit = len(ctx.params)
+            with _zero3.gathered(ctx.gather):
+                d_x, grads = gated_mlp_backward(ctx.gated, ctx.params + ctx.zero3_params, ctx.bounds, x, d_out, want_x)
+                _zero3.deliver(ctx.zero3_params, grads[explicit:])
+            return (None, None, d_x, None, None, None, *grads[:explicit])
         d_x = torch.empty_like(x) if want_x else None
         sums = [None] * len(ctx.params)
         narrow = [narrow_sums(len(ctx.bounds), p.dtype) for p in ctx.params]

@@ -1,0 +1,94 @@
+"""DeepSpeed ZeRO-3 parameters in a tiled call: gathered once per call, never once per shard.
+
+ZeRO-3 partitions every parameter across ranks (``ds_id`` marks one; outside its module's forward it holds
+no data) and gathers it with hooks on the module that owns it, before that module's forward and again
+before its backward. A tiled call runs the MLP's projections once per shard, so those hooks would gather
+each weight once per shard in forward and twice per shard in backward (recompute and gradient), and every
+rank would have to run the same number of shards or wait forever in a gather. Two layouts avoid that:
+
+* The MLP, or a module above it, is a ZeRO-3 leaf (``deepspeed.utils.set_z3_leaf_modules`` before
+  ``deepspeed.initialize``): DeepSpeed hooks only the leaf, gathers all its parameters once around the call
+  and once around its backward, and reduces their gradients when the leaf's backward ends. Inside the call
+  the parameters are ordinary full tensors (``gathered_around_call``).
+* The projections are plain ``nn.Linear`` modules hooked by ZeRO-3 alone (``is_engine_hook``) and the MLP's
+  owner declares the gated fast path, which reads the weights and never calls the projections, so their
+  hooks never fire. The tiled call then does what the hooks would: it gathers the MLP's parameters once in
+  forward and once in backward (``gathered``), and hands each summed gradient to DeepSpeed once
+  (``deliver``), which reduces it as it reduces any other.
+
+Either way no collective runs inside the shard loop and ranks may run different shard counts. Anything else
+(a user's ``fn`` that calls hooked projections) gathers per shard through DeepSpeed's hooks, as DeepSpeed's
+own tiled MLP does, and its shard count is agreed across ranks (``_tiling.harmonize_num_shards``).
+"""
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+def is_zero3(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def module_params(mlp_module) -> list[torch.Tensor]:
+    """The ZeRO-3 parameters of ``mlp_module``, trainable or frozen (a frozen one is partitioned all the same)."""
+    if not isinstance(mlp_module, nn.Module):
+        return []
+    return [p for p in mlp_module.parameters() if is_zero3(p)]
+
+
+def gathered_around_call(mlp_module) -> bool:
+    """Whether DeepSpeed gathers every ZeRO-3 parameter of ``mlp_module`` around the whole call: each belongs
+    to a ZeRO-3 leaf module that is ``mlp_module`` or contains it (DeepSpeed records the leaf on the parameter
+    when it registers its hooks)."""
+    params = module_params(mlp_module)
+    if not params:
+        return False
+    leaves = {id(leaf): leaf for leaf in (getattr(p, "ds_z3_leaf_module", None) for p in params)}
+    if None in leaves.values():
+        return False
+    return all(leaf is mlp_module or any(m is mlp_module for m in leaf.modules()) for leaf in leaves.values())
+
+
+# The hooks ZeRO-3 registers on every module it manages are closures defined in this DeepSpeed module (one
+# of them wrapped by DeepSpeed's NVTX decorator, which keeps the hook in its closure); they gather the
+# module's parameters before forward and backward, release them after, and record the order.
+_ENGINE_HOOK_MODULE = "deepspeed.runtime.zero.parameter_offload"
+_ENGINE_HOOK_WRAPPER_MODULE = "deepspeed.utils.nvtx"
+
+
+def is_engine_hook(hook) -> bool:
+    module = getattr(hook, "__module__", None)
+    if module == _ENGINE_HOOK_WRAPPER_MODULE:
+        wrapped = [cell.cell_contents for cell in getattr(hook, "__closure__", None) or ()]
+        return any(getattr(f, "__module__", None) == _ENGINE_HOOK_MODULE for f in wrapped if callable(f))
+    return module == _ENGINE_HOOK_MODULE
+
+
+@contextlib.contextmanager
+def gathered(params):
+    """The partitioned ones among ``params`` gathered (one collective, the same on every rank) for the
+    block, and partitioned again after it; parameters that were already whole stay whole."""
+    missing = [p for p in params if _status(p) == "NOT_AVAILABLE"]
+    if not missing:
+        yield
+        return
+    from deepspeed.zero import GatheredParameters
+
+    with GatheredParameters(missing):
+        yield
+
+
+def _status(param) -> str:
+    status = getattr(param, "ds_status", None)
+    return getattr(status, "name", str(status))
+
+
+def deliver(params, grads) -> None:
+    """Accumulate each gradient into its parameter's ``.grad`` through autograd, once: DeepSpeed's gradient
+    hook on the parameter fires as it does for an untiled module, and reduces it. The parameters must be
+    gathered (whole) while this runs."""
+    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+    if pairs:
+        torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
