@@ -134,7 +134,7 @@ def test_frozen_engine_parameters_make_ranks_agree_on_the_shard_count(lk, monkey
     for p in mlp.parameters():
         p.requires_grad_(False)
         p.ds_id = 0  # what marks a DeepSpeed ZeRO-3 parameter
-    assert lk._tiling.engine_managed(mlp, [])
+    assert lk._tiling.engine_managed(lk._tiling.structure(mlp), [])
     agreed = []
 
     def harmonize(count, x):

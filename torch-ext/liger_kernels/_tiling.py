@@ -15,6 +15,7 @@
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -95,46 +96,52 @@ def _fsdp_module_class():
     return FSDPModule
 
 
-def fsdp_units_inside(mlp_module) -> bool:
+class Structure(NamedTuple):
+    """What a tiled call reads of the MLP module, walked once per call (the call's host cost: see
+    ``structure``)."""
+
+    modules: tuple  # the MLP and every module inside it ((), for an fn without a module)
+    params: tuple  # every parameter of the MLP, once, trainable or frozen
+
+
+def structure(mlp_module) -> Structure:
+    if not isinstance(mlp_module, nn.Module):
+        return Structure((), ())
+    return Structure(tuple(mlp_module.modules()), tuple(mlp_module.parameters()))
+
+
+def fsdp_units_inside(found: Structure) -> bool:
     """FSDP2 units strictly inside the MLP, which gather their parameters on every call (an FSDP2 unit at the
     MLP or above gathers once around the call)."""
     fsdp = _fsdp_module_class()
-    if fsdp is None or not isinstance(mlp_module, nn.Module):
-        return False
-    return any(isinstance(m, fsdp) for m in mlp_module.modules() if m is not mlp_module)
+    return fsdp is not None and any(isinstance(m, fsdp) for m in found.modules[1:])
 
 
-def engine_managed(mlp_module, params) -> bool:
+def engine_managed(found: Structure, params) -> bool:
     """Whether DeepSpeed ZeRO-3 manages parameters of the call (among ``params`` or the module's own,
     trainable or frozen), hooking the modules inside the MLP to gather them."""
-    if any(hasattr(p, "ds_id") for p in params):
-        return True
-    return isinstance(mlp_module, nn.Module) and any(hasattr(p, "ds_id") for p in mlp_module.parameters())
+    return any(hasattr(p, "ds_id") for p in params) or any(hasattr(p, "ds_id") for p in found.params)
 
 
-def _has_backward_hooks(mlp_module) -> bool:
+def _has_backward_hooks(found: Structure) -> bool:
     hooks = nn.modules.module
     if hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
         return True
-    if not isinstance(mlp_module, nn.Module):
-        return False
-    return any(m._backward_hooks or m._backward_pre_hooks for m in mlp_module.modules() if m is not mlp_module)
+    return any(m._backward_hooks or m._backward_pre_hooks for m in found.modules[1:])
 
 
-def _has_forward_hooks(mlp_module) -> bool:
+def _has_forward_hooks(found: Structure) -> bool:
     hooks = nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
         return True
-    if not isinstance(mlp_module, nn.Module):
-        return False
-    return any(m._forward_hooks or m._forward_pre_hooks for m in mlp_module.modules() if m is not mlp_module)
+    return any(m._forward_hooks or m._forward_pre_hooks for m in found.modules[1:])
 
 
-def _has_buffers(mlp_module) -> bool:
-    return isinstance(mlp_module, nn.Module) and next(mlp_module.buffers(), None) is not None
+def _has_buffers(found: Structure) -> bool:
+    return any(b is not None for m in found.modules for b in m._buffers.values())
 
 
-def untiled_reason(mlp_module, x: torch.Tensor, params) -> str | None:
+def untiled_reason(mlp_module, x: torch.Tensor, params, found: Structure | None = None) -> str | None:
     """Why this call must run as the plain ``fn(mlp_module, x)``, or None to tile it.
 
     * torch.func transforms: their wrapped tensors cannot cross the tiled Function's recompute.
@@ -150,15 +157,16 @@ def untiled_reason(mlp_module, x: torch.Tensor, params) -> str | None:
       in forward and again in the recompute. DeepSpeed ZeRO-3 hooks only gather and release parameters:
       those modules still tile.
     """
+    found = structure(mlp_module) if found is None else found
     if transforms_active(x, *params):
         return "torch.func transform"
-    if fsdp_units_inside(mlp_module):
+    if fsdp_units_inside(found):
         return "FSDP2 units inside the MLP"
-    if _has_backward_hooks(mlp_module):
+    if _has_backward_hooks(found):
         return "module backward hooks"
-    if not engine_managed(mlp_module, params) and _has_forward_hooks(mlp_module):
+    if not engine_managed(found, params) and _has_forward_hooks(found):
         return "module forward hooks"
-    if _has_buffers(mlp_module):
+    if _has_buffers(found):
         return "module buffers"
     return None
 

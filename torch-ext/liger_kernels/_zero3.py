@@ -24,25 +24,16 @@ own tiled MLP does, and its shard count is agreed across ranks (``_tiling.harmon
 import contextlib
 
 import torch
-from torch import nn
 
 
 def is_zero3(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
-def module_params(mlp_module) -> list[torch.Tensor]:
-    """The ZeRO-3 parameters of ``mlp_module``, trainable or frozen (a frozen one is partitioned all the same)."""
-    if not isinstance(mlp_module, nn.Module):
-        return []
-    return [p for p in mlp_module.parameters() if is_zero3(p)]
-
-
-def gathered_around_call(mlp_module) -> bool:
-    """Whether DeepSpeed gathers every ZeRO-3 parameter of ``mlp_module`` around the whole call: each belongs
-    to a ZeRO-3 leaf module that is ``mlp_module`` or contains it (DeepSpeed records the leaf on the parameter
-    when it registers its hooks)."""
-    params = module_params(mlp_module)
+def gathered_around_call(mlp_module, params) -> bool:
+    """Whether DeepSpeed gathers ``params``, the ZeRO-3 parameters of ``mlp_module``, around the whole call:
+    each belongs to a ZeRO-3 leaf module that is ``mlp_module`` or contains it (DeepSpeed records the leaf on
+    the parameter when it registers its hooks)."""
     if not params:
         return False
     leaves = {id(leaf): leaf for leaf in (getattr(p, "ds_z3_leaf_module", None) for p in params)}

@@ -74,10 +74,11 @@ def apply_tiled_mlp(
 # belong to other masks. The call is a graph break; what runs inside is the eager code, exact.
 @torch.compiler.disable
 def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
-    params = trainable_params(mlp_module, compute_params)
-    if _tiling.untiled_reason(mlp_module, x, params) is not None:
+    found = _tiling.structure(mlp_module)
+    params = trainable_params(mlp_module, compute_params, found)
+    if _tiling.untiled_reason(mlp_module, x, params, found) is not None:
         return fn(mlp_module, x)
-    layout = _layout(fn, mlp_module, x, params)
+    layout = _layout(fn, mlp_module, x, params, found)
     num_shards = _tiling.num_shards_for(requested, x, layout.agree, intermediate_size(mlp_module))
     # Where ranks must agree (parameters gathered per shard, or per call by the tiled call itself), every rank
     # must also take the same branch: the choice reads this rank's tokens, so those calls always tile.
@@ -104,18 +105,24 @@ class _Layout(NamedTuple):
     agree: bool  # parameters are gathered per shard: ranks must run the same shard count
 
 
-def _layout(fn, mlp_module, x, params) -> _Layout:
+def _layout(fn, mlp_module, x, params, found=None) -> _Layout:
     """How this call meets the engines that gather parameters (see ``_zero3``): shapes and module structure
     only, the same on every rank."""
-    if _zero3.gathered_around_call(mlp_module):  # whole for the call: ordinary inputs
-        owned = {id(p) for p in _zero3.module_params(mlp_module)}
-        zero3 = [p for p in params if _zero3.is_zero3(p) and id(p) not in owned]
-        return _Layout(zero3, [], bool(zero3))
+    found = _tiling.structure(mlp_module) if found is None else found
+    engine = [p for p in found.params if _zero3.is_zero3(p)]
     zero3 = [p for p in params if _zero3.is_zero3(p)]
-    engine = _zero3.module_params(mlp_module)
-    if (zero3 or engine) and gated_plan(fn, mlp_module, x, params) is not None:
+    if not (engine or zero3):
+        return _NO_ENGINE
+    if _zero3.gathered_around_call(mlp_module, engine):  # whole for the call: ordinary inputs
+        owned = {id(p) for p in engine}
+        zero3 = [p for p in zero3 if id(p) not in owned]
+        return _Layout(zero3, [], bool(zero3))
+    if gated_plan(fn, mlp_module, x, params) is not None:
         return _Layout(zero3, engine, False)
-    return _Layout(zero3, [], bool(zero3 or engine))
+    return _Layout(zero3, [], True)
+
+
+_NO_ENGINE = _Layout([], [], False)
 
 
 def intermediate_size(mlp_module) -> int | None:
@@ -150,13 +157,13 @@ def _pays(fn, mlp_module, x, num_shards) -> bool:
 # Parameters
 
 
-def trainable_params(mlp_module, compute_params) -> list[torch.Tensor]:
+def trainable_params(mlp_module, compute_params, found=None) -> list[torch.Tensor]:
     """The parameters whose gradients the tiled call must deliver: ``compute_params`` if given, else the
     module's, resolved now (not captured earlier: FSDP2 and ZeRO-3 replace or re-register parameters)."""
     if compute_params is None:
         if not isinstance(mlp_module, torch.nn.Module):
             raise TypeError(f"{OP}: `mlp_module` must be an nn.Module when `compute_params` is None")
-        candidates = list(mlp_module.parameters())
+        candidates = found.params if found is not None else list(mlp_module.parameters())
     else:
         candidates = list(compute_params)
         for p in candidates:
