@@ -303,6 +303,10 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
             return m(input_ids=ids, labels=ids).loss
     else:
         reference = torch.nn.Sequential(*[GatedMLP(64, 160) for _ in range(3)])
+        if options.get("share") == "twice":  # the first MLP is called again last (ALBERT-style sharing)
+            reference = torch.nn.Sequential(reference[0], reference[1], reference[0])
+        elif options.get("share") == "tied":  # the first and last MLP share their gate weight
+            reference[2].gate_proj.weight = reference[0].gate_proj.weight
         # "mlps": the package's tiled layer (the gated fast path); "mlps_generic": a user's fn that calls the
         # projections, which DeepSpeed's hooks gather per shard unless the MLP is a ZeRO-3 leaf.
         if options["model"] == "mlps":
@@ -317,6 +321,8 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
             for block in model:
                 block.forward = types.MethodType(tiled, block)
             return model
+
+        assert options.get("share") is None or not options.get("zero_init")
 
         def loss_of(m, r, micro, seq=None):
             g = torch.Generator().manual_seed(10 * micro + r)

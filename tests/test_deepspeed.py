@@ -24,7 +24,7 @@ CASES = {
     "ZeRO-3, llama, embeddings and norms frozen": {"model": "llama", "stage": 3, "freeze": "embed_norm"},
     "ZeRO-3, llama, everything outside the MLPs frozen": {"model": "llama", "stage": 3, "freeze": "non_mlp"},
     "ZeRO-3, llama, fused loss (causal_lm_loss)": {"model": "llama_fused_loss", "stage": 3},
-    "ZeRO-3, ranks with different shard counts": {"model": "mlps", "stage": 3, "seq_by_rank": [128, 512]},
+    "ZeRO-3, ranks with different shard counts (1 and 8)": {"model": "mlps", "stage": 3, "seq_by_rank": [48, 512]},
     "ZeRO-3, MLPs as ZeRO-3 leaves, different shard counts": {
         "model": "mlps",
         "stage": 3,
@@ -32,6 +32,13 @@ CASES = {
         "seq_by_rank": [128, 512],
     },
     "ZeRO-3, a user's fn, MLPs as ZeRO-3 leaves": {"model": "mlps_generic", "stage": 3, "leaf": True},
+    "ZeRO-3, one MLP called twice": {"model": "mlps", "stage": 3, "share": "twice"},
+    "ZeRO-3, a gate weight tied between two MLPs, small reduce buckets": {
+        "model": "mlps",
+        "stage": 3,
+        "share": "tied",
+        "bucket": 1000,
+    },
     "ZeRO-3, a user's fn gathered per shard": {"model": "mlps_generic", "stage": 3, "seq": 250},
     "ZeRO-3, llama, MLPs as ZeRO-3 leaves": {"model": "llama", "stage": 3, "leaf": True},
     "ZeRO-2, gated MLP stack": {"model": "mlps", "stage": 2},

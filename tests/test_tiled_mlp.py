@@ -1,6 +1,7 @@
 """The tiled MLP in one process: the seed's float64 table and more, gradient accumulation counts, the ZeRO-3
 path, autocast and dropout replay, precision in bf16, saved memory, and misuse that must raise."""
 
+import contextlib
 import copy
 import types
 
@@ -214,44 +215,90 @@ def test_zero3_accumulates_per_shard_and_flags_the_last(lk):
         assert flags == [False] * 7 + [True], name
 
 
+def partitioned(module):
+    """The status DeepSpeed gives a partitioned parameter (the tensors keep their values: the tiled call's
+    own gather is replaced in these tests by a recorder)."""
+    for p in module.parameters():
+        p.ds_status = types.SimpleNamespace(name="NOT_AVAILABLE")
+    return module
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["gathered by DeepSpeed", "partitioned"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "gate frozen"])
 @pytest.mark.parametrize("x_grad", [True, False], ids=["x needs grad", "x needs none"])
-def test_zero3_weights_on_the_fast_path_are_gathered_once_and_accumulate_once(lk, x_grad, frozen):
+def test_zero3_weights_on_the_fast_path_are_gathered_once_and_accumulate_once(lk, monkeypatch, x_grad, frozen, whole):
     """The package's layer math on ZeRO-3 weights (marked as DeepSpeed marks them; tests/test_deepspeed.py runs
-    the real engine) takes the fast path and gathers the weights itself, once per call: nothing is agreed
-    across ranks, the float64 gradients equal untiled ones, and each weight accumulates exactly once
-    (DeepSpeed reduces a gradient on every accumulation)."""
+    the real engine) takes the fast path and needs nothing agreed across ranks. Weights DeepSpeed gathered
+    for the call (as it does inside its forward) are ordinary inputs; partitioned ones are gathered by the call
+    itself, once in forward and once in backward. Either way the float64 gradients equal untiled ones and each
+    weight accumulates exactly once (DeepSpeed reduces a gradient on every accumulation)."""
     torch.manual_seed(0)
     module = mark_zero3(GatedMLP(H, 160).double())
+    if not whole:
+        partitioned(module)
     module.gate_proj.weight.requires_grad_(not frozen)
+    gathers = []
+
+    @contextlib.contextmanager
+    def gathered(params):
+        if params:
+            gathers.append(len(params))
+        yield
+
+    monkeypatch.setattr(lk._zero3, "gathered", gathered)
     fn = lk.gated_mlp.swiglu_mlp
     x = torch.randn(2, 256, H, dtype=torch.float64, requires_grad=x_grad)
     layout = lk.tiled_mlp._layout(fn, module, x, [p for p in module.parameters() if p.requires_grad])
-    assert layout.gather == list(module.parameters()) and not layout.agree
+    assert layout.gather == ([] if whole else list(module.parameters())) and not layout.agree
     log = accumulation_log(module)
     tiled, untiled = tiled_and_untiled_grads(lk, module, x, 4, fn=fn)
     assert max_abs_diff(tiled, untiled) < 1e-12
     assert {name: len(fired) for name, fired in log.items()} == {name: 2 for name in log}  # tiled, untiled once
     assert ("gate_proj.weight" in log) != frozen
+    assert gathers == ([] if whole else [3, 3])  # the three weights, in forward and in backward
 
 
 def test_zero3_layouts(lk):
-    """Who gathers ZeRO-3 weights: DeepSpeed around the call (the MLP or a module above it is a ZeRO-3 leaf:
-    the weights are ordinary inputs), the tiled call itself (the fast path), or DeepSpeed per shard (a
-    user's fn on hooked projections: the count is agreed across ranks). A leaf below the MLP is not enough."""
+    """Who gathers ZeRO-3 weights: DeepSpeed around the call (the MLP or a module above it is a ZeRO-3 leaf,
+    or the fast path reads weights DeepSpeed gathered: ordinary inputs), the tiled call itself (the fast path
+    on partitioned weights), or DeepSpeed per shard (a user's fn on hooked projections: the count is agreed
+    across ranks). A leaf below the MLP is not enough."""
     fn, x = lk.gated_mlp.swiglu_mlp, torch.randn(1, 128, H, dtype=torch.float64)
 
     def layout(module, f=fn):
         return lk.tiled_mlp._layout(f, module, x, list(module.parameters()))
 
     module = mark_zero3(GatedMLP(H, 160).double())
-    assert layout(module, call) == ([*module.parameters()], [], True)
+    assert layout(module, call) == ([*module.parameters()], [], True, True)
+    assert layout(module) == ([], [], False, True)  # ordinary inputs, but the plain call would gather
+    partitioned(module)
+    assert layout(module) == ([*module.parameters()], [*module.parameters()], False, True)
     for leaf in (module, torch.nn.Sequential(module)):
         for p in module.parameters():
             p.ds_z3_leaf_module = leaf
-        assert layout(module) == ([], [], False) and layout(module, call) == ([], [], False)
+        assert layout(module) == ([], [], False, False) and layout(module, call) == ([], [], False, False)
     module.gate_proj.weight.ds_z3_leaf_module = module.gate_proj
-    assert layout(module, call) == ([*module.parameters()], [], True)
+    assert layout(module, call) == ([*module.parameters()], [], True, True)
+
+
+def test_a_users_forward_hook_under_zero3_runs_untiled(lk):
+    """DeepSpeed's own hooks on the projections only gather and release; a user's hook beside them would
+    fire once per shard (and again in the recompute) if the call tiled, so the call runs as the plain one."""
+    module = mark_zero3(GatedMLP(H, 160).double())
+
+    def engine_hook(module, args):  # what DeepSpeed ZeRO-3 registers on every module it manages
+        return None
+
+    engine_hook.__module__ = "deepspeed.runtime.zero.parameter_offload"
+    module.gate_proj.register_forward_pre_hook(engine_hook)
+    x = torch.randn(1, 128, H, dtype=torch.float64)
+    params = list(module.parameters())
+    assert lk._tiling.untiled_reason(module, x, params) is None
+    seen = []
+    module.gate_proj.register_forward_hook(lambda m, args, out: seen.append(out.shape[-2]))
+    assert lk._tiling.untiled_reason(module, x, params) == "module forward hooks"
+    lk.apply_tiled_mlp(call, module, x, 4)
+    assert seen == [128]
 
 
 def autocast_grads(lk, module, base, d_out, tiled, leaf, enabled=True):

@@ -14,6 +14,7 @@
   tiling would not lower the peak (``tiling_pays``).
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _zero3
 from ._gated import transforms_active
 from ._grad_sums import narrow_sums
 
@@ -88,12 +90,16 @@ def shard_bounds(seq_len: int, num_shards: int) -> list[tuple]:
     return bounds
 
 
-def _fsdp_module_class():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return None
-    return FSDPModule
+@functools.cache
+def _fsdp_module_classes() -> tuple:
+    """FSDP2's unit class and FSDP1's wrapper, where this torch has them."""
+    classes = []
+    for name in ("FSDPModule", "FullyShardedDataParallel"):
+        try:
+            classes.append(getattr(__import__("torch.distributed.fsdp", fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(classes)
 
 
 class Structure(NamedTuple):
@@ -111,10 +117,10 @@ def structure(mlp_module) -> Structure:
 
 
 def fsdp_units_inside(found: Structure) -> bool:
-    """FSDP2 units strictly inside the MLP, which gather their parameters on every call (an FSDP2 unit at the
-    MLP or above gathers once around the call)."""
-    fsdp = _fsdp_module_class()
-    return fsdp is not None and any(isinstance(m, fsdp) for m in found.modules[1:])
+    """FSDP units (FSDP2's ``fully_shard``, or FSDP1 wrappers) strictly inside the MLP, which gather their
+    parameters on every call (a unit at the MLP or above gathers once around the call)."""
+    fsdp = _fsdp_module_classes()
+    return bool(fsdp) and any(isinstance(m, fsdp) for m in found.modules[1:])
 
 
 def engine_managed(found: Structure, params) -> bool:
@@ -130,11 +136,13 @@ def _has_backward_hooks(found: Structure) -> bool:
     return any(m._backward_hooks or m._backward_pre_hooks for m in found.modules[1:])
 
 
-def _has_forward_hooks(found: Structure) -> bool:
+def _has_forward_hooks(found: Structure, ignore=None) -> bool:
+    """Forward hooks inside the MLP (or global ones); ``ignore(hook)`` True leaves one out (DeepSpeed's)."""
     hooks = nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in found.modules[1:])
+    tables = [table for m in found.modules[1:] for table in (m._forward_hooks, m._forward_pre_hooks)]
+    return any(not (ignore and ignore(hook)) for table in tables for hook in table.values())
 
 
 def _has_buffers(found: Structure) -> bool:
@@ -145,7 +153,8 @@ def untiled_reason(mlp_module, x: torch.Tensor, params, found: Structure | None 
     """Why this call must run as the plain ``fn(mlp_module, x)``, or None to tile it.
 
     * torch.func transforms: their wrapped tensors cannot cross the tiled Function's recompute.
-    * FSDP2 units inside the MLP (``fully_shard`` on the projections): each unit's forward swaps in
+    * FSDP units inside the MLP (FSDP2's ``fully_shard`` on the projections; FSDP1 wrappers likewise):
+      each unit's forward swaps in
       unsharded parameters that are not the module's registered ones, and reduces their gradients in its
       own backward hook, so a tiled call could neither deliver their gradients once nor gather once.
       Shard at the MLP or above (one gather around the call) to tile.
@@ -154,17 +163,17 @@ def untiled_reason(mlp_module, x: torch.Tensor, params, found: Structure | None 
       module itself fires around the whole call either way.)
     * Module forward hooks inside the MLP, and buffers (spectral_norm's power iteration, running
       statistics): both may carry state from call to call, and a tiled call runs each module once per shard
-      in forward and again in the recompute. DeepSpeed ZeRO-3 hooks only gather and release parameters:
-      those modules still tile.
+      in forward and again in the recompute. DeepSpeed ZeRO-3's own hooks only gather and release
+      parameters: those do not count (a user's hook beside them does).
     """
     found = structure(mlp_module) if found is None else found
     if transforms_active(x, *params):
         return "torch.func transform"
     if fsdp_units_inside(found):
-        return "FSDP2 units inside the MLP"
+        return "FSDP units inside the MLP"
     if _has_backward_hooks(found):
         return "module backward hooks"
-    if not engine_managed(found, params) and _has_forward_hooks(found):
+    if _has_forward_hooks(found, _zero3.is_engine_hook if engine_managed(found, params) else None):
         return "module forward hooks"
     if _has_buffers(found):
         return "module buffers"

@@ -12,9 +12,14 @@ rank would have to run the same number of shards or wait forever in a gather. Tw
   the parameters are ordinary full tensors (``gathered_around_call``).
 * The projections are plain ``nn.Linear`` modules hooked by ZeRO-3 alone (``is_engine_hook``) and the MLP's
   owner declares the gated fast path, which reads the weights and never calls the projections, so their
-  hooks never fire. The tiled call then does what the hooks would: it gathers the MLP's parameters once in
-  forward and once in backward (``gathered``), and hands each summed gradient to DeepSpeed once
-  (``deliver``), which reduces it as it reduces any other.
+  hooks never fire. Inside DeepSpeed's forward, reading a partitioned weight gathers it and registers it as
+  an external parameter of the running module, which DeepSpeed then gathers around that module's forward
+  and backward: the weights are whole for the call (``is_whole``) and are ordinary inputs, as in the leaf
+  layout. Outside DeepSpeed's forward (a module called directly) the tiled call does what the hooks would:
+  it gathers the MLP's parameters once in forward and once in backward (``gathered``) and hands each summed
+  gradient to DeepSpeed once per call (``deliver``); a weight that two such calls share then reaches
+  DeepSpeed's gradient hook twice in one backward, which DeepSpeed does not expect (its own forward never
+  takes this path).
 
 Either way no collective runs inside the shard loop and ranks may run different shard counts. Anything else
 (a user's ``fn`` that calls hooked projections) gathers per shard through DeepSpeed's hooks, as DeepSpeed's
@@ -74,6 +79,11 @@ def gathered(params):
 def _status(param) -> str:
     status = getattr(param, "ds_status", None)
     return getattr(status, "name", str(status))
+
+
+def is_whole(param) -> bool:
+    """Gathered now (or holding its values without DeepSpeed's status, as a copy marked by hand does)."""
+    return _status(param) not in ("NOT_AVAILABLE", "INFLIGHT")
 
 
 def deliver(params, grads) -> None:

@@ -80,12 +80,10 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
         return fn(mlp_module, x)
     layout = _layout(fn, mlp_module, x, params, found)
     num_shards = _tiling.num_shards_for(requested, x, layout.agree, intermediate_size(mlp_module))
-    # Where ranks must agree (parameters gathered per shard, or per call by the tiled call itself), every rank
-    # must also take the same branch: the choice reads this rank's tokens, so those calls always tile.
     if (
         tile is None
         and requested is None
-        and not (layout.agree or layout.gather)
+        and not layout.always_tile
         and (num_shards <= 1 or not _pays(fn, mlp_module, x, num_shards))
     ):
         return fn(mlp_module, x)
@@ -103,6 +101,9 @@ class _Layout(NamedTuple):
     zero3: list  # trainable ZeRO-3 parameters whose gradients the call hands to DeepSpeed (not inputs)
     gather: list  # ZeRO-3 parameters the call gathers itself, once in forward and once in backward
     agree: bool  # parameters are gathered per shard: ranks must run the same shard count
+    # ZeRO-3's hooks would gather in the plain call and not in the tiled one: every rank must take the same
+    # branch, and the choice reads this rank's tokens, so such calls always tile.
+    always_tile: bool = False
 
 
 def _layout(fn, mlp_module, x, params, found=None) -> _Layout:
@@ -118,8 +119,15 @@ def _layout(fn, mlp_module, x, params, found=None) -> _Layout:
         zero3 = [p for p in zero3 if id(p) not in owned]
         return _Layout(zero3, [], bool(zero3))
     if gated_plan(fn, mlp_module, x, params) is not None:
-        return _Layout(zero3, engine, False)
-    return _Layout(zero3, [], True)
+        # The fast path never calls the projections, so nothing releases their weights during the call.
+        # Inside DeepSpeed's forward, reading them (gated_plan just did) gathers them and makes them external
+        # parameters of the running module, which DeepSpeed gathers again around its backward: whole, they
+        # are ordinary inputs, and autograd sums a weight's uses (one MLP called twice, tied weights) into
+        # one accumulation per backward, which DeepSpeed's gradient hook expects.
+        if all(_zero3.is_whole(p) for p in engine + zero3):
+            return _Layout([], [], False, True)
+        return _Layout(zero3, engine, False, True)
+    return _Layout(zero3, [], True, True)
 
 
 _NO_ENGINE = _Layout([], [], False)
