@@ -330,7 +330,13 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
             # leaf's backward when none of its inputs needs a gradient (plain modules too): a real model's
             # hidden states always need one.
             x = torch.randn(1, seq or seqs[r], 64, generator=g).requires_grad_(bool(options.get("leaf")))
-            return (m(x.to(device)) * torch.randn(1, seq or seqs[r], 64, generator=g).to(device)).mean()
+            out = x.to(device)
+            if options.get("direct"):  # each MLP called directly, outside the engine's forward
+                for block in getattr(m, "module", m):
+                    out = block(out)
+            else:
+                out = m(out)
+            return (out * torch.randn(1, seq or seqs[r], 64, generator=g).to(device)).mean()
 
     freeze = options.get("freeze")
     for name, p in reference.named_parameters():

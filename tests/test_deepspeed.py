@@ -33,6 +33,7 @@ CASES = {
     },
     "ZeRO-3, a user's fn, MLPs as ZeRO-3 leaves": {"model": "mlps_generic", "stage": 3, "leaf": True},
     "ZeRO-3, one MLP called twice": {"model": "mlps", "stage": 3, "share": "twice"},
+    "ZeRO-3, MLPs called outside the engine's forward (the call gathers)": {"model": "mlps", "stage": 3, "direct": 1},
     "ZeRO-3, a gate weight tied between two MLPs, small reduce buckets": {
         "model": "mlps",
         "stage": 3,
@@ -56,7 +57,11 @@ def test_zero_matches_untiled_reference(variant_root, tmp_path, case):
 
 
 COLLECTIVE_CASES = {  # name: (options, whether the count may grow with the shards)
-    "the package's layer: gathered once by the tiled call": ({"model": "mlps"}, False),
+    "the package's layer: gathered once around the call by DeepSpeed": ({"model": "mlps"}, False),
+    "the package's layer called outside the engine's forward: gathered once by the call": (
+        {"model": "mlps", "direct": 1},
+        False,
+    ),
     "a user's fn, MLP a ZeRO-3 leaf: gathered once by DeepSpeed": ({"model": "mlps_generic", "leaf": True}, False),
     "a user's fn on hooked projections: gathered per shard": ({"model": "mlps_generic"}, True),
 }

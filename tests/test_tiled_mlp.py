@@ -281,6 +281,30 @@ def test_zero3_layouts(lk):
     assert layout(module, call) == ([*module.parameters()], [], True, True)
 
 
+def test_deepspeed_hooks_are_recognised(lk):
+    """ZeRO-3's gather hooks (one wrapped by DeepSpeed's NVTX decorator) and the flops profiler's counters,
+    which DeepSpeed registers on rank 0 only: neither may change how a tiled call runs, or ranks would run
+    different collectives. A user's hook is not DeepSpeed's."""
+    deepspeed = pytest.importorskip("deepspeed")
+    from deepspeed.profiling.flops_profiler.profiler import FlopsProfiler
+
+    def gather(module, args):
+        return None
+
+    gather.__module__ = "deepspeed.runtime.zero.parameter_offload"
+    wrapped = deepspeed.utils.nvtx.instrument_w_nvtx(gather)
+    mlp = GatedMLP(H, 160)
+    profiler = FlopsProfiler(mlp)
+    profiler.start_profile()
+    try:
+        hooks = [h for m in mlp.modules() for t in (m._forward_pre_hooks, m._forward_hooks) for h in t.values()]
+        assert hooks and all(lk._zero3.is_engine_hook(h) for h in hooks)
+    finally:
+        profiler.end_profile()
+    assert lk._zero3.is_engine_hook(gather) and lk._zero3.is_engine_hook(wrapped)
+    assert not lk._zero3.is_engine_hook(lambda module, args: None)
+
+
 def test_a_users_forward_hook_under_zero3_runs_untiled(lk):
     """DeepSpeed's own hooks on the projections only gather and release; a user's hook beside them would
     fire once per shard (and again in the recompute) if the call tiled, so the call runs as the plain one."""

@@ -47,10 +47,13 @@ def gathered_around_call(mlp_module, params) -> bool:
     return all(leaf is mlp_module or any(m is mlp_module for m in leaf.modules()) for leaf in leaves.values())
 
 
-# The hooks ZeRO-3 registers on every module it manages are closures defined in this DeepSpeed module (one
-# of them wrapped by DeepSpeed's NVTX decorator, which keeps the hook in its closure); they gather the
-# module's parameters before forward and backward, release them after, and record the order.
-_ENGINE_HOOK_MODULE = "deepspeed.runtime.zero.parameter_offload"
+# DeepSpeed's own module hooks, by the module that defines them:
+# * ZeRO-3's, on every module it manages (closures, one wrapped by DeepSpeed's NVTX decorator, which keeps the
+#   hook in its closure): they gather the module's parameters before forward and backward, release them
+#   after, and record the order;
+# * the flops profiler's, which count and time, on rank 0 only and for one step: were they to change how a
+#   tiled call runs, rank 0 would run other collectives than the rest and ZeRO-3 would hang.
+_ENGINE_HOOK_MODULES = ("deepspeed.runtime.zero.parameter_offload", "deepspeed.profiling.flops_profiler.profiler")
 _ENGINE_HOOK_WRAPPER_MODULE = "deepspeed.utils.nvtx"
 
 
@@ -58,8 +61,8 @@ def is_engine_hook(hook) -> bool:
     module = getattr(hook, "__module__", None)
     if module == _ENGINE_HOOK_WRAPPER_MODULE:
         wrapped = [cell.cell_contents for cell in getattr(hook, "__closure__", None) or ()]
-        return any(getattr(f, "__module__", None) == _ENGINE_HOOK_MODULE for f in wrapped if callable(f))
-    return module == _ENGINE_HOOK_MODULE
+        return any(getattr(f, "__module__", None) in _ENGINE_HOOK_MODULES for f in wrapped if callable(f))
+    return module in _ENGINE_HOOK_MODULES
 
 
 @contextlib.contextmanager
@@ -70,9 +73,9 @@ def gathered(params):
     if not missing:
         yield
         return
-    from deepspeed.zero import GatheredParameters
+    import deepspeed  # deepspeed.zero is an attribute of the package, not a module to import from
 
-    with GatheredParameters(missing):
+    with deepspeed.zero.GatheredParameters(missing):
         yield
 
 
