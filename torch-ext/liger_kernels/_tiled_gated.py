@@ -3,9 +3,9 @@
 Taken only where the code that owns the MLP's math declares it equivalent (``fn.tiled_fast_path(module)``,
 see gated_mlp.py) and this call adds nothing the plain math would miss: no autocast, weights of x's dtype
 and device, and every weight that requires grad among the parameters the tiled call delivers gradients to.
-DeepSpeed ZeRO-3 weights are gathered around the fast path by the tiled call (see _zero3).
-The weights are captured in forward and used again in backward, never re-read from
-the module (torch.func.functional_call puts other tensors back in between).
+DeepSpeed ZeRO-3 weights are whole around the fast path, gathered by DeepSpeed or by the tiled call (see
+_zero3). The weights are captured in forward and used again in backward, never re-read from the module
+(torch.func.functional_call puts other tensors back in between).
 
 Backward recomputes only gate and up (11 GEMM-units per step, against 9 untiled and 12 for the generic
 recompute): the down projection's forward is never needed again. One fused pass writes the activation's
