@@ -126,7 +126,7 @@ def fsdp_units_inside(found: Structure) -> bool:
 def engine_managed(found: Structure, params) -> bool:
     """Whether DeepSpeed ZeRO-3 manages parameters of the call (among ``params`` or the module's own,
     trainable or frozen), hooking the modules inside the MLP to gather them."""
-    return any(hasattr(p, "ds_id") for p in params) or any(hasattr(p, "ds_id") for p in found.params)
+    return any(_zero3.is_zero3(p) for p in (*params, *found.params))
 
 
 def _has_backward_hooks(found: Structure) -> bool:

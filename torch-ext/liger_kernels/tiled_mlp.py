@@ -101,14 +101,15 @@ class _Layout(NamedTuple):
     zero3: list  # trainable ZeRO-3 parameters whose gradients the call hands to DeepSpeed (not inputs)
     gather: list  # ZeRO-3 parameters the call gathers itself, once in forward and once in backward
     agree: bool  # parameters are gathered per shard: ranks must run the same shard count
-    # ZeRO-3's hooks would gather in the plain call and not in the tiled one: every rank must take the same
-    # branch, and the choice reads this rank's tokens, so such calls always tile.
+    # ZeRO-3's hooks would gather in the plain call and not in the tiled one (or the other way round): every
+    # rank must take the same branch, and the choice reads this rank's tokens, so such calls always tile.
     always_tile: bool = False
 
 
-def _layout(fn, mlp_module, x, params, found=None) -> _Layout:
+def _layout(fn, mlp_module, x, params, found=None, fast=None) -> _Layout:
     """How this call meets the engines that gather parameters (see ``_zero3``): shapes and module structure
-    only, the same on every rank."""
+    only, the same on every rank. ``found``: the module's structure if already walked; ``fast``: whether the
+    gated fast path runs, if already known."""
     found = _tiling.structure(mlp_module) if found is None else found
     engine = [p for p in found.params if _zero3.is_zero3(p)]
     zero3 = [p for p in params if _zero3.is_zero3(p)]
@@ -116,9 +117,11 @@ def _layout(fn, mlp_module, x, params, found=None) -> _Layout:
         return _NO_ENGINE
     if _zero3.gathered_around_call(mlp_module, engine):  # whole for the call: ordinary inputs
         owned = {id(p) for p in engine}
-        zero3 = [p for p in zero3 if id(p) not in owned]
-        return _Layout(zero3, [], bool(zero3))
-    if gated_plan(fn, mlp_module, x, params) is not None:
+        zero3 = [p for p in zero3 if id(p) not in owned]  # ZeRO-3 tensors from elsewhere (compute_params)
+        return _Layout(zero3, [], bool(zero3), bool(zero3))
+    if fast is None:
+        fast = gated_plan(fn, mlp_module, x, params) is not None
+    if fast:
         # The fast path never calls the projections, so nothing releases their weights during the call.
         # Inside DeepSpeed's forward, reading them (gated_plan just did) gathers them and makes them external
         # parameters of the running module, which DeepSpeed gathers again around its backward: whole, they
@@ -224,7 +227,9 @@ class LigerTiledMLPFunction(torch.autograd.Function):
 
     ``params`` are the trainable parameters whose gradients this Function returns, summed over shards.
     ``num_shards`` is an int >= 1 or None (automatic). ``zero3_params`` (a list, not inputs) are DeepSpeed
-    ZeRO-3 parameters, accumulated per shard; ``anchor`` is None or an empty tensor requiring grad that keeps
+    ZeRO-3 parameters that are partitioned outside the call: on the fast path the call gathers them and
+    accumulates each summed gradient once, otherwise each shard accumulates through DeepSpeed's hooks (see
+    ``_zero3``); ``anchor`` is None or an empty tensor requiring grad that keeps
     the output differentiable when nothing else would. :func:`apply_tiled_mlp` resolves all of these.
     """
 
@@ -233,7 +238,8 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         requested = _tiling.check_num_shards(num_shards)
         ctx.fn, ctx.mlp_module = fn, mlp_module
         ctx.zero3_params, ctx.params = list(zero3_params), list(params)
-        layout = _layout(fn, mlp_module, x, ctx.params + ctx.zero3_params)
+        ctx.gated = gated_plan(fn, mlp_module, x, ctx.params + ctx.zero3_params)
+        layout = _layout(fn, mlp_module, x, ctx.params + ctx.zero3_params, fast=ctx.gated is not None)
         if requested is None:
             requested = _tiling.num_shards_for(None, x, layout.agree, intermediate_size(mlp_module))
         ctx.bounds = _tiling.shard_bounds(x.shape[-2], requested)
@@ -243,8 +249,7 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         # Autocast caches its casts of leaf tensors that require grad; the recompute feeds fn a shard of the
         # same kind (leaf or not) as x, so that it makes the same casts and the same gradient sums as untiled.
         ctx.x_is_grad_leaf = x.is_leaf and x.requires_grad
-        ctx.gated = gated_plan(fn, mlp_module, x, ctx.params + ctx.zero3_params)
-        ctx.gather = layout.gather if ctx.gated is not None else []
+        ctx.gather = layout.gather
         # The parameters are saved as well as x: a weight changed in place before backward (an optimizer or EMA
         # step) then raises autograd's own error, as the plain module's saved weights do, instead of the
         # recompute silently using the new values.
