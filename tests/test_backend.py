@@ -1,6 +1,7 @@
 """The backend seam: who runs what, and what it costs the host per call."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -78,6 +79,56 @@ def test_an_eager_call_reads_no_environment_and_allocates_only_its_outputs(lk, n
     assert CountingEnviron.reads == 0
     if name == "triton":
         assert (forward, len(allocations)) == (1, 1)  # in place: backward writes over gate and up
+
+
+def python_calls(fn) -> int:
+    """Python-level function calls (Python and builtin) made while ``fn`` runs: host work, counted."""
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        count += event in ("call", "c_call")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+# Calls per eager call on the Triton path, launches stubbed: forward with grad, forward under no_grad, and
+# autograd.grad of the output (torch's own calls included). Measured with torch 2.13 (73 / 49 / 100 and
+# 78 / 52 / 181), plus 3 for PyTorch's variation; a change that adds host work to a call fails here
+# (benchmarks/NOTES.md §15 has what the work costs on the H200 machine).
+CALL_BUDGETS = {"silu_mul": (76, 52, 103), "rms_norm": (81, 55, 184)}
+
+
+@pytest.mark.parametrize("name", sorted(CALL_BUDGETS))
+def test_host_work_per_call_stays_within_its_budget(lk, name, monkeypatch):
+    if not lk._backend.triton_interpreted():
+        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    x = torch.randn(4, 64, requires_grad=True)
+    other = torch.randn(64 if name == "rms_norm" else (4, 64), requires_grad=True)
+    op = {"silu_mul": lk.silu_mul, "rms_norm": lambda x, w: lk.rms_norm(x, w, 1e-6)}[name]
+    with backend("triton"):
+        op(x, other).sum().backward()  # warm: caches filled, the environment read once
+        launches = []
+        monkeypatch.setattr(lk._launch, "launch", lambda *args, **meta: launches.append(args[0]))
+        for module in (lk._gated, sys.modules[f"{lk.__name__}.rms_norm"]):
+            monkeypatch.setattr(module, "launch", lk._launch.launch)
+        out = []
+        forward = python_calls(lambda: out.append(op(x, other)))
+        with torch.no_grad():
+            no_grad = python_calls(lambda: op(x, other))
+        d_out = torch.ones_like(out[0])
+        backward = python_calls(lambda: torch.autograd.grad(out[0], (x, other), d_out))
+    assert launches, "the stubbed launch was not reached"
+    budget = CALL_BUDGETS[name]
+    assert all(c <= b for c, b in zip((forward, no_grad, backward), budget)), (
+        f"{name}: {forward} / {no_grad} / {backward} Python calls per forward / no_grad forward / backward, "
+        f"budget {budget}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -37,9 +37,10 @@ def test_strided_rows_are_read_in_place(lk):
     fused = torch.randn(6, 5, 2 * 96)
     gate, up = fused.chunk(2, dim=-1)
     out = torch.empty(gate.shape)
-    gate_rows, up_rows, out_rows = lk._gated._as_rows([gate, up, out])
+    (gate_rows, up_rows, out_rows), n_rows, n_cols, strides = lk._gated._as_rows([gate, up, out])
     assert gate_rows.data_ptr() == gate.data_ptr() and up_rows.data_ptr() == up.data_ptr()
     assert gate_rows.stride() == (2 * 96, 1) and gate_rows.shape == (30, 96)
+    assert (n_rows, n_cols, strides) == (30, 96, [2 * 96, 2 * 96, 96])
     assert out_rows.data_ptr() == out.data_ptr()
 
 

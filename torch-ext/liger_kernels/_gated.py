@@ -14,6 +14,7 @@ import torch
 
 from . import _backend
 from ._backend import constexpr, jit, tl, use_triton
+from ._launch import launch
 from .activations import REGISTRY, GatedActivation
 
 # ----------------------------------------------------------------------------------------------------------
@@ -39,6 +40,8 @@ def check_pair(a, b, op: str) -> None:
 
 
 def check_multiplier(value, arg: str, op: str) -> float:
+    if type(value) is float:  # the common case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{op}: `{arg}` must be a real number, got {type(value).__name__}")
     return float(value)
@@ -145,10 +148,11 @@ def _gated_backward_kernel(
 
 
 def _as_rows(tensors):
-    """2-D views of same-shaped tensors, plus (n_rows, n_cols). Contiguous tensors become one long row; the
-    others are viewed as [-1, last dim] through their row stride, copied only when no such view exists."""
+    """Same-shaped tensors as rows: ``(tensors, n_rows, n_cols, row strides)``. Contiguous tensors are one long
+    row and are passed as they are (the kernels never read their row stride); the others are viewed as
+    [-1, last dim] through their row stride, copied only when no such view exists."""
     if all(t.is_contiguous() for t in tensors):
-        return [t.view(1, -1) for t in tensors]
+        return tensors, 1, tensors[0].numel(), [0] * len(tensors)
     n_cols = tensors[0].shape[-1]
     rows = []
     for t in tensors:
@@ -158,29 +162,23 @@ def _as_rows(tensors):
             rows.append(t.view(-1, n_cols))
         except RuntimeError:  # leading dims that do not collapse into one stride
             rows.append(t.reshape(-1, n_cols))
-    return rows
+    return rows, rows[0].shape[0], n_cols, [t.stride(0) for t in rows]
 
 
-def _grid(rows: torch.Tensor):
+def _grid(n_rows: int, n_cols: int):
     # Plain integer arithmetic: triton.cdiv is a jit-aware function whose host-side call costs microseconds.
-    return (rows.shape[0] * ((rows.shape[1] + BLOCK - 1) // BLOCK),)
+    return (n_rows * ((n_cols + BLOCK - 1) // BLOCK),)
 
 
 def _forward_triton(gate, up, activation: GatedActivation, gate_multiplier, down_multiplier):
     out = _backend.new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
-    gate_rows, up_rows, out_rows = _as_rows([gate, up, out])
-    _gated_forward_kernel[_grid(out_rows)](
-        gate_rows,
-        up_rows,
-        out_rows,
-        out_rows.shape[1],
-        gate_rows.stride(0),
-        up_rows.stride(0),
-        out_rows.stride(0),
-        gate_multiplier,
-        down_multiplier,
+    (gate_rows, up_rows, out_rows), n_rows, n_cols, strides = _as_rows([gate, up, out])
+    launch(
+        _gated_forward_kernel,
+        _grid(n_rows, n_cols),
+        (gate_rows, up_rows, out_rows, n_cols, *strides, gate_multiplier, down_multiplier),
         ACTIVATION=activation.triton_value,
-        ONE_ROW=out_rows.shape[0] == 1,
+        ONE_ROW=n_rows == 1,
         BLOCK=BLOCK,
         num_warps=NUM_WARPS,
     )
@@ -188,34 +186,24 @@ def _forward_triton(gate, up, activation: GatedActivation, gate_multiplier, down
 
 
 def _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multiplier, in_place, out=None):
+    """``out``: where to write the forward output too (contiguous, like ``d_out`` then), or None."""
     if in_place:
         d_gate, d_up = gate, up
     else:
         d_gate = _backend.new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
         d_up = _backend.new_tensor(up.shape, dtype=up.dtype, device=up.device)
-    d_out_rows, gate_rows, up_rows, d_gate_rows, d_up_rows = _as_rows([d_out, gate, up, d_gate, d_up])
-    out_rows = d_out_rows if out is None else out.view(d_out_rows.shape)  # out: contiguous, like d_out here
+    rows, n_rows, n_cols, strides = _as_rows([d_out, gate, up, d_gate, d_up])
+    d_gate_rows, d_up_rows = rows[3], rows[4]
     if in_place and (d_gate_rows.data_ptr() != gate.data_ptr() or d_up_rows.data_ptr() != up.data_ptr()):
         # _as_rows had to copy: write into the copies, which are the gradients.
         d_gate, d_up = d_gate_rows.view(gate.shape), d_up_rows.view(up.shape)
-    _gated_backward_kernel[_grid(d_out_rows)](
-        d_out_rows,
-        gate_rows,
-        up_rows,
-        d_gate_rows,
-        d_up_rows,
-        out_rows,
-        d_out_rows.shape[1],
-        d_out_rows.stride(0),
-        gate_rows.stride(0),
-        up_rows.stride(0),
-        d_gate_rows.stride(0),
-        d_up_rows.stride(0),
-        gate_multiplier,
-        down_multiplier,
+    launch(
+        _gated_backward_kernel,
+        _grid(n_rows, n_cols),
+        (*rows, rows[0] if out is None else out, n_cols, *strides, gate_multiplier, down_multiplier),
         ACTIVATION_AND_GRAD=activation.triton_value_and_grad,
         STORE_OUT=out is not None,
-        ONE_ROW=d_out_rows.shape[0] == 1,
+        ONE_ROW=n_rows == 1,
         BLOCK=BLOCK,
         num_warps=NUM_WARPS,
     )
@@ -494,6 +482,8 @@ def gated_apply(gate, up, activation: GatedActivation, gate_multiplier, down_mul
         return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     if torch.compiler.is_compiling():
         return gated_forward_op(gate, up, activation.name, gate_multiplier, down_multiplier, in_place_backward)
+    if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):  # inference: no graph to record
+        return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
     return _EagerGated.apply(gate, up, activation, gate_multiplier, down_multiplier, in_place_backward)
 
 

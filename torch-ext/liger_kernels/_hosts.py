@@ -381,5 +381,8 @@ def has_hooks(module: nn.Module) -> bool:
     DeepSpeed ZeRO-3 puts on every module it manages: on a module without parameters (an activation) they
     gather and release nothing."""
     tables = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    hooks = [hook for table in tables for hook in table.values()]
+    if not hooks:  # the common case, without walking the parameters
+        return False
     engine_only = next(module.parameters(), None) is None
-    return any(not (engine_only and _zero3.is_engine_hook(hook)) for table in tables for hook in table.values())
+    return any(not (engine_only and _zero3.is_engine_hook(hook)) for hook in hooks)

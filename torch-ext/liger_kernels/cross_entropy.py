@@ -38,6 +38,7 @@ import torch
 
 from . import _backend
 from ._backend import constexpr, jit, tl, use_triton
+from ._launch import launch
 
 REDUCTIONS = ("mean", "sum", "none")
 MAX_BLOCK = 4096  # vocabulary columns per loop step: 16 per thread at 8 warps
@@ -328,21 +329,25 @@ def _stats_triton(logits, target, ce_weight, weight_total, opts: Options, lse, c
     if n_rows == 0:
         return
     dummy = lse  # stands in for absent pointers: never dereferenced when the flag is off
-    _ce_stats_kernel[(n_rows,)](
-        logits,
-        logits.stride(0),
-        target,
-        ce_weight if ce_weight is not None else dummy,
-        weight_total if weight_total is not None else dummy,
-        lse,
-        ce,
-        z,
-        pred if pred is not None else dummy,
-        n_cols,
-        opts.ignore_index,
-        opts.lse_square_scale,
-        opts.label_smoothing,
-        opts.softcap or 1.0,
+    launch(
+        _ce_stats_kernel,
+        (n_rows,),
+        (
+            logits,
+            logits.stride(0),
+            target,
+            ce_weight if ce_weight is not None else dummy,
+            weight_total if weight_total is not None else dummy,
+            lse,
+            ce,
+            z,
+            pred if pred is not None else dummy,
+            n_cols,
+            opts.ignore_index,
+            opts.lse_square_scale,
+            opts.label_smoothing,
+            opts.softcap or 1.0,
+        ),
         HAS_CE_WEIGHT=ce_weight is not None,
         SOFTCAP=opts.softcap is not None,
         SMOOTHING=opts.label_smoothing > 0,
@@ -358,24 +363,28 @@ def _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z
     if n_rows == 0:
         return
     dummy = lse
-    _ce_grad_kernel[(n_rows,)](
-        logits,
-        logits.stride(0),
-        grad,
-        grad.stride(0),
-        target,
-        ce_weight if ce_weight is not None else dummy,
-        weight_total if weight_total is not None else dummy,
-        lse,
-        ce_scale,
-        _row_stride(ce_scale),
-        z_scale,
-        _row_stride(z_scale),
-        n_cols,
-        opts.ignore_index,
-        opts.lse_square_scale,
-        opts.label_smoothing,
-        opts.softcap or 1.0,
+    launch(
+        _ce_grad_kernel,
+        (n_rows,),
+        (
+            logits,
+            logits.stride(0),
+            grad,
+            grad.stride(0),
+            target,
+            ce_weight if ce_weight is not None else dummy,
+            weight_total if weight_total is not None else dummy,
+            lse,
+            ce_scale,
+            _row_stride(ce_scale),
+            z_scale,
+            _row_stride(z_scale),
+            n_cols,
+            opts.ignore_index,
+            opts.lse_square_scale,
+            opts.label_smoothing,
+            opts.softcap or 1.0,
+        ),
         HAS_CE_WEIGHT=ce_weight is not None,
         SOFTCAP=opts.softcap is not None,
         SMOOTHING=opts.label_smoothing > 0,

@@ -35,8 +35,8 @@ class GatedMLP:
             found = _hosts.host_activation(module)
         if found is None:
             found = self.default
-        wanted = " or ".join(_hosts.describe(a) for a in self.activations)
         if shape.problem is not None or found not in self.activations:
+            wanted = " or ".join(_hosts.describe(a) for a in self.activations)
             why = shape.problem or f"it uses {_hosts.describe(found)}"
             raise ValueError(
                 f"liger-kernels {self.layer} computes down_proj(act(gate_proj(x)) * up_proj(x)) with act = {wanted}, "

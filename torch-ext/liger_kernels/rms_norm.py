@@ -42,6 +42,7 @@ import torch
 from . import _backend
 from ._backend import constexpr, jit, tl
 from ._gated import NAMESPACE
+from ._launch import launch
 
 OP = "rms_norm"
 CASTINGS = ("llama", "gemma")
@@ -408,16 +409,20 @@ def _forward_triton(x, weight, eps, offset, llama, store_rstd):
     one_block, block_cols, block_rows, warps, _, _, _ = _config(n_cols)
     y = _backend.new_tensor(x.shape, dtype=_out_dtype(x, weight, llama), device=x.device)
     rstd = _backend.new_tensor((n_rows,), dtype=torch.float32, device=x.device) if store_rstd else y
-    _rms_norm_forward_kernel[(_cdiv(n_rows, block_rows),)](
-        rows,
-        weight,
-        y,
-        rstd,
-        n_rows,
-        n_cols,
-        rows.stride(0),
-        eps,
-        offset,
+    launch(
+        _rms_norm_forward_kernel,
+        (_cdiv(n_rows, block_rows),),
+        (
+            rows,
+            weight,
+            y,
+            rstd,
+            n_rows,
+            n_cols,
+            rows.stride(0),
+            eps,
+            offset,
+        ),
         LLAMA=llama,
         STORE_RSTD=store_rstd,
         BLOCK_ROWS=block_rows,
@@ -435,19 +440,23 @@ def _backward_triton(d_y, x, weight, rstd, offset, llama, needs_x, needs_w):
     programs, blocks_per_program = _backward_grid(n_rows, n_cols, x.device)
     d_x = _backend.new_tensor(x.shape, dtype=x.dtype, device=x.device) if needs_x else rows
     partial = _backend.new_tensor((programs, n_cols), dtype=torch.float32, device=x.device) if needs_w else rows
-    _rms_norm_backward_kernel[(programs,)](
-        d_y_rows,
-        rows,
-        weight,
-        rstd,
-        d_x,
-        partial,
-        n_rows,
-        n_cols,
-        d_y_rows.stride(0),
-        rows.stride(0),
-        blocks_per_program,
-        offset,
+    launch(
+        _rms_norm_backward_kernel,
+        (programs,),
+        (
+            d_y_rows,
+            rows,
+            weight,
+            rstd,
+            d_x,
+            partial,
+            n_rows,
+            n_cols,
+            d_y_rows.stride(0),
+            rows.stride(0),
+            blocks_per_program,
+            offset,
+        ),
         LLAMA=llama,
         STORE_D_X=needs_x,
         STORE_D_WEIGHT=needs_w,
@@ -461,8 +470,12 @@ def _backward_triton(d_y, x, weight, rstd, offset, llama, needs_x, needs_w):
     if needs_w:
         d_weight = _backend.new_tensor((n_cols,), dtype=weight.dtype, device=x.device)
         block_partials, block_cols = _sum_config(programs)
-        _sum_partials_kernel[(_cdiv(n_cols, block_cols),)](
-            partial, d_weight, programs, n_cols, BLOCK_PARTIALS=block_partials, BLOCK_COLS=block_cols
+        launch(
+            _sum_partials_kernel,
+            (_cdiv(n_cols, block_cols),),
+            (partial, d_weight, programs, n_cols),
+            BLOCK_PARTIALS=block_partials,
+            BLOCK_COLS=block_cols,
         )
     return (d_x if needs_x else None), d_weight
 

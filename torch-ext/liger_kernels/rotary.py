@@ -36,6 +36,7 @@ import torch
 
 from . import _backend
 from ._backend import constexpr, jit, tl, use_triton
+from ._launch import launch
 
 OP = "liger_rotary_pos_emb"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -359,7 +360,7 @@ def _launch_triton(q, k, q_out, k_out, cos, sin, backward: bool) -> bool:
     grid, scalars, constexprs = plan
     ref = q if q is not None else k
     tensors = [t if t is not None else ref for t in (q, k, q_out, k_out)]
-    _rotary_kernel[grid](*tensors, cos, sin, *scalars, **constexprs)
+    launch(_rotary_kernel, grid, (*tensors, cos, sin, *scalars), **constexprs)
     return True
 
 

@@ -1,0 +1,225 @@
+"""_launch: the direct launch of a compiled Triton kernel runs exactly what ``kernel[grid]`` would.
+
+On CPU: the launch key determines Triton's own specialization of every argument (so a cached compiled kernel
+is only reused where Triton would choose the same one), and what is never cached. On a GPU: the direct
+path is the one taken, and stays exact when alignment and divisibility change between calls, under CUDA
+graph capture, and with a launch hook registered.
+"""
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import backend, rel_err
+
+triton = pytest.importorskip("triton")
+from triton._C.libtriton import native_specialize_impl  # noqa: E402  (after the skip)
+from triton.backends.compiler import BaseBackend  # noqa: E402
+
+INTS = sorted(
+    {
+        *range(-40, 41),
+        *(2**31 + d for d in range(-20, 20)),
+        *(-(2**31) + d for d in range(-20, 20)),
+        *(2**63 + d for d in range(-20, 20)),
+        2**64 - 16,
+        2**64 - 1,
+    }
+)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64]
+
+
+def _triton_spec(value, specialize: bool = True):
+    return native_specialize_impl(BaseBackend, value, False, specialize, True)
+
+
+def _values():
+    yield from INTS
+    yield from (True, False, 0.0, 1.0, -2.5, 1e300, None)
+    storage = torch.empty(256, dtype=torch.uint8)
+    for dtype in DTYPES:
+        base = storage.view(dtype)
+        for offset in range(min(base.numel(), 9)):
+            yield base[offset:]
+
+
+def test_the_key_determines_tritons_specialization(lk):
+    """Every launch key maps to one Triton specialization: two arguments with the same key are compiled
+    alike, so the compiled kernel cached under a key is the one Triton would launch."""
+    seen = {}
+    for value in _values():
+        key = lk._launch.specialization_key(value)
+        spec = _triton_spec(value)
+        assert seen.setdefault(key, spec) == spec, f"{value!r}: key {key} also covers {seen[key]}, not {spec}"
+
+
+def test_every_kernel_in_the_package_is_launched_through_launch(lk):
+    """``kernel[grid](...)`` anywhere in the package would bypass the direct launch (and its host saving)."""
+    package = Path(lk.__file__).parent
+    bypasses = [
+        f"{path.name}:{number}"
+        for path in sorted(package.glob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"_kernel\[[^\]]*\]\(", line)
+    ]
+    assert bypasses == []
+    launched = {
+        path.name for path in package.glob("*.py") if "launch(\n" in path.read_text() or "launch(_" in path.read_text()
+    }
+    assert {"_gated.py", "rms_norm.py", "rotary.py", "cross_entropy.py"} <= launched
+
+
+def test_ints_keep_their_class_not_their_value(lk):
+    """The cache stays bounded while lengths vary from call to call: ints are keyed by class."""
+    keys = {lk._launch.specialization_key(n) for n in range(2, 100_000)}
+    assert len(keys) == 2  # multiples of 16 and the rest
+
+
+@pytest.mark.parametrize("value", ["silu", b"x", 3 + 0j, torch.float32, object()])
+def test_unrecognized_arguments_are_never_keyed(lk, value):
+    with pytest.raises(lk._launch._Unrecognized):
+        lk._launch.specialization_key(value)
+
+
+def _scale(x_ptr, out_ptr, n, factor, BLOCK: triton.language.constexpr):
+    offsets = triton.language.program_id(0) * BLOCK + triton.language.arange(0, BLOCK)
+    mask = offsets < n
+    x = triton.language.load(x_ptr + offsets, mask=mask)
+    triton.language.store(out_ptr + offsets, x * factor, mask=mask)
+
+
+_scale_kernel = triton.runtime.jit.JITFunction(_scale)  # compiled form, also where tests run interpreted
+
+
+class _Compiled:
+    """Stands in for a compiled kernel whose handles are loaded."""
+
+    function, packed_metadata = object(), object()
+
+    def run(self, *args):
+        raise AssertionError("not launched in this test")
+
+
+@pytest.mark.parametrize(
+    ("n_args", "meta", "kept"),
+    [
+        (4, {"BLOCK": 64, "num_warps": 4}, True),
+        (5, {"num_warps": 4}, False),  # BLOCK passed positionally: keyed by class, so never direct
+        (4, {"num_warps": 4}, False),  # BLOCK left to a default the key does not hold
+    ],
+)
+def test_only_launches_with_every_constexpr_by_name_are_cached(lk, n_args, meta, kept, monkeypatch):
+    monkeypatch.setattr(lk._launch, "_CACHES", {})
+    lk._launch._remember(_scale_kernel, ("key",), _Compiled(), n_args, meta)
+    cached = lk._launch._CACHES.get(id(_scale_kernel), (None, {}))[1]
+    assert (("key",) in cached) == kept
+    if kept:
+        assert cached[("key",)][3] == ("BLOCK",)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# On a GPU: the direct path is taken, and exact.
+
+
+def _count_slow_launches(monkeypatch) -> list:
+    calls = []
+    slow = triton.runtime.jit.JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.fn.__name__)
+        return slow(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", counted)
+    return calls
+
+
+def _every_op(lk, n_cols: int, offset: int):
+    """One call of each kernel family on bf16 CUDA tensors whose rows are ``n_cols`` wide and whose data
+    start ``offset`` elements into their storage (offset 1 breaks Triton's 16-byte alignment)."""
+    torch.manual_seed(n_cols + offset)
+    results = []
+
+    def tensor(*shape):
+        flat = torch.randn(offset + torch.Size(shape).numel(), device="cuda", dtype=torch.bfloat16)
+        return flat[offset:].view(shape).requires_grad_()
+
+    a, b = tensor(8, n_cols), tensor(8, n_cols)
+    results.append((lk.silu_mul(a, b), (a, b)))
+    x, weight = tensor(8, n_cols), tensor(n_cols)
+    results.append((lk.rms_norm(x, weight, 1e-6), (x, weight)))
+    q, k, cos, sin = tensor(1, 4, 8, 64), tensor(1, 2, 8, 64), tensor(1, 8, 64), tensor(1, 8, 64)
+    results.append((torch.cat([t.flatten() for t in lk.liger_rotary_pos_emb(q, k, cos, sin)]), (q, k)))
+    logits, target = tensor(8, n_cols), torch.randint(0, n_cols, (8,), device="cuda")
+    results.append((lk.cross_entropy.cross_entropy(logits, target).loss, (logits,)))
+    return results
+
+
+def _run_all(lk, n_cols, offset):
+    outputs = []
+    for out, inputs in _every_op(lk, n_cols, offset):
+        grads = torch.autograd.grad(out.float().square().sum(), inputs)
+        outputs.append([out.detach().float(), *[g.float() for g in grads]])
+    return outputs
+
+
+@pytest.mark.gpu
+def test_after_warm_up_no_launch_goes_through_triton_s_own_path(lk, monkeypatch):
+    assert lk._launch.DIRECT, f"the direct launch is not verified for Triton {triton.__version__}"
+    with backend("auto"):
+        _run_all(lk, 4096, 0)
+        calls = _count_slow_launches(monkeypatch)
+        _run_all(lk, 4096, 0)
+    assert calls == []
+
+
+@pytest.mark.gpu
+def test_direct_launches_equal_triton_s_own_as_specializations_change(lk, monkeypatch):
+    """Aligned and unaligned data, widths that are and are not multiples of 16, interleaved so that each
+    call after the first meets a cache that holds the other specializations: bit-equal to the same calls
+    through ``kernel[grid]``."""
+    cases = list(itertools.product([4096, 4095, 1000, 16], [0, 1, 8]))
+    with backend("auto"):
+        direct = [_run_all(lk, n, offset) for n, offset in cases * 2]
+        monkeypatch.setattr(lk._launch, "DIRECT", False)
+        slow = [_run_all(lk, n, offset) for n, offset in cases * 2]
+    for case, got, want in zip(cases * 2, direct, slow):
+        for got_op, want_op in zip(got, want):
+            for g, w in zip(got_op, want_op):
+                assert torch.equal(g, w), case
+
+
+@pytest.mark.gpu
+def test_direct_launches_are_captured_by_cuda_graphs(lk):
+    a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    with backend("auto"):
+        lk.silu_mul(a, b)  # compiled and cached outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = lk.silu_mul(a, b)
+        a.copy_(torch.randn_like(a))
+        graph.replay()
+        torch.cuda.synchronize()
+    want = torch.nn.functional.silu(a.double()) * b.double()
+    assert rel_err(out, want) < 1e-2
+
+
+@pytest.mark.gpu
+def test_a_registered_launch_hook_sees_every_launch(lk):
+    a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    with backend("auto"):
+        lk.silu_mul(a, a)
+        triton.knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            lk.silu_mul(a, a)
+        finally:
+            triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["_gated_forward_kernel"]

@@ -1,0 +1,129 @@
+"""Launching a Triton kernel with as little host work as possible.
+
+In eager training and decoding the host's time per call matters as much as the kernel's: ``kernel[grid](...)``
+costs about 15 µs of host time per launch on the H200 machine (Triton 3.6), of which about 5 µs is the
+compiled kernel's own launcher. The rest is work a fixed call site does not need redone on every launch:
+binding the arguments to the signature, formatting the options into a cache key, launch metadata for hooks
+(benchmarks/NOTES.md §15 has the profile). :func:`launch` keeps, per kernel, a map from a cheaper key to the
+compiled kernel Triton itself chose, and calls that kernel's launcher directly.
+
+It launches exactly what ``kernel[grid]`` would, because its key determines Triton's own:
+
+* each tensor by dtype, and whether its address is a multiple of 16 (Triton's alignment specialization);
+* each int by its width class (i32 / i64 / u64), whether it is 1 (Triton bakes 1 into the kernel) and whether
+  it is a multiple of 16 (Triton's divisibility specialization); floats and bools by type only, as Triton;
+* the constexprs and launch options by name and value, and the current device (Triton caches per device).
+
+A miss goes through ``kernel[grid]`` (compiling if needed) and keeps the compiled kernel it returns; tests/
+test_launch.py checks the key against Triton's own specialization function. The direct launch is taken only
+where its calling convention was verified, Triton 3.6 on a ``cuda`` device, and only while no launch hook is
+registered (profilers such as proton register them): everywhere else, and for any argument it does not
+recognize, ``kernel[grid]`` runs as usual.
+"""
+
+import torch
+
+from ._backend import HAS_TRITON, triton, triton_interpreted
+
+# The versions whose JITFunction.run calls ``compiled.run(grid_0, grid_1, grid_2, stream, function,
+# packed_metadata, launch_metadata, enter_hook, exit_hook, *all_arguments)``, the convention used below.
+VERIFIED_TRITON = ("3.6.",)
+
+if HAS_TRITON:
+    from triton import knobs
+    from triton.knobs import HookChain
+    from triton.runtime.jit import JITFunction
+
+    DIRECT = triton.__version__.startswith(VERIFIED_TRITON) and not triton_interpreted()
+else:
+    DIRECT = False
+
+_I32 = (-(2**31), 2**31 - 1)
+_I64_MAX = 2**63 - 1
+
+# id(kernel) -> (kernel, {key: (launcher, function, packed_metadata, constexpr_names)}).
+_CACHES = {}
+MAX_ENTRIES = 256  # per kernel; bounded because a key holds each int's class, not its value
+
+
+def specialization_key(value):
+    """What Triton specializes on for one runtime argument, or more (never less)."""
+    kind = type(value)
+    if kind is bool:
+        return bool
+    if kind is int:
+        width = 0 if _I32[0] <= value <= _I32[1] else (1 if value <= _I64_MAX else 2)
+        return (width, value == 1, value % 16 == 0)
+    if kind is float:
+        return float
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if value is None:
+        return None
+    raise _Unrecognized
+
+
+class _Unrecognized(Exception):
+    """An argument type the key does not cover: the launch goes through ``kernel[grid]``."""
+
+
+def _hooks_registered() -> bool:
+    runtime = knobs.runtime
+    for chain in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if type(chain) is not HookChain or chain.calls:
+            return True
+    return False
+
+
+def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
+    """``kernel[grid](*args, **meta)``: runtime arguments positionally, in the signature's order, then every
+    constexpr and launch option (``num_warps``...) by name."""
+    if DIRECT and type(kernel) is JITFunction and type(grid) is tuple and args[0].is_cuda and not _hooks_registered():
+        device = torch._C._cuda_getDevice()
+        try:
+            key = (device, *meta.items(), *map(specialization_key, args))
+        except _Unrecognized:
+            key = None
+        entry = _CACHES.get(id(kernel))
+        if key is not None and entry is not None and entry[0] is kernel:
+            compiled = entry[1].get(key)
+            if compiled is not None:
+                run, function, metadata, names = compiled
+                stream = torch._C._cuda_getCurrentRawStream(device)
+                run(
+                    grid[0],
+                    grid[1] if len(grid) > 1 else 1,
+                    grid[2] if len(grid) > 2 else 1,
+                    stream,
+                    function,
+                    metadata,
+                    None,  # launch metadata and hooks: none registered (checked above)
+                    None,
+                    None,
+                    *args,
+                    *[meta[name] for name in names],
+                )
+                return
+        compiled = kernel[grid](*args, **meta)
+        if key is not None:
+            _remember(kernel, key, compiled, len(args), meta)
+        return
+    kernel[grid](*args, **meta)
+
+
+def _remember(kernel, key, compiled, n_args: int, meta: dict) -> None:
+    if hasattr(compiled, "result"):  # an asynchronous compilation's future
+        compiled = compiled.result()
+    names = kernel.arg_names[n_args:]
+    if (
+        any(param.is_constexpr for param in kernel.params[:n_args])  # keyed by class, not value: never direct
+        or any(name not in meta for name in names)  # a defaulted constexpr
+        or getattr(compiled, "function", None) is None  # handles not loaded
+    ):
+        return
+    entry = _CACHES.get(id(kernel))
+    if entry is None or entry[0] is not kernel:
+        entry = _CACHES[id(kernel)] = (kernel, {})
+    if len(entry[1]) >= MAX_ENTRIES:
+        entry[1].clear()
+    entry[1][key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(names))
