@@ -5,6 +5,7 @@ package under its own name, so everything here is imported relatively.
 
 Reading order for a newcomer:
   _backend.py            the one place that decides Triton or PyTorch for a tensor
+  _launch.py             how every Triton kernel is launched (the compiled kernel, called directly)
   activations.py         the gated activations' registry (math for Triton and PyTorch, references, host names)
   _gated.py              the gated kernels, their PyTorch path and autograd contract; swiglu.py, geglu.py
                          are its public faces
