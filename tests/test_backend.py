@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from harness import backend
+from harness import backend, rel_err
 
 
 @pytest.mark.parametrize(
@@ -225,3 +225,37 @@ def test_compiled_tiled_mlp_tiles_where_dynamo_says_exporting(lk, dynamo_says_ex
     x = torch.randn(1, 12, 8)
     torch.compile(lambda x: lk.apply_tiled_mlp(fn, mlp, x, num_shards=3))(x)
     assert shards == [4, 4, 4]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward-mode AD. The kernels have no JVP: inside a dual level every op runs its differentiable PyTorch form,
+# so a dual tensor's tangent comes out right on either backend, with or without grad mode (a shortcut that
+# skips autograd for inputs that do not require grad must not skip the tangent too).
+
+
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("name", ["torch", "triton"])
+@pytest.mark.parametrize("op", [*OPS_UNDER_TEST, "gelu_mul"])
+def test_forward_ad_tangents_survive_every_op(lk, op, name, grad_mode):
+    if name == "triton" and not lk._backend.triton_interpreted():
+        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    torch.manual_seed(0)
+    calls = _op_calls(lk)
+    calls["gelu_mul"] = (lambda a, b: lk.gelu_mul(a, b), calls["silu_mul"][1])
+    fn, inputs = calls[op]
+    primals = [t.detach() for t in inputs]
+    tangents = [torch.randn_like(t) for t in primals]
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
+
+    # The float64 reference: the op's PyTorch form, differentiated by torch.func.jvp.
+    with backend("torch"):
+        _, want = torch.func.jvp(
+            lambda *p: first(fn(*p)), tuple(p.double() for p in primals), tuple(t.double() for t in tangents)
+        )
+    with backend(name), torch.set_grad_enabled(grad_mode), torch.autograd.forward_ad.dual_level():
+        duals = [torch.autograd.forward_ad.make_dual(p, t) for p, t in zip(primals, tangents)]
+        got = torch.autograd.forward_ad.unpack_dual(first(fn(*duals))).tangent
+    assert got is not None, f"{op}: the tangent was dropped"
+    assert rel_err(got, want) < 1e-5

@@ -153,7 +153,7 @@ def _every_op(lk, n_cols: int, offset: int):
     q, k, cos, sin = tensor(1, 4, 8, 64), tensor(1, 2, 8, 64), tensor(1, 8, 64), tensor(1, 8, 64)
     results.append((torch.cat([t.flatten() for t in lk.liger_rotary_pos_emb(q, k, cos, sin)]), (q, k)))
     logits, target = tensor(8, n_cols), torch.randint(0, n_cols, (8,), device="cuda")
-    results.append((lk.cross_entropy.cross_entropy(logits, target).loss, (logits,)))
+    results.append((lk.cross_entropy.cross_entropy(logits, target), (logits,)))
     return results
 
 
@@ -189,6 +189,18 @@ def test_direct_launches_equal_triton_s_own_as_specializations_change(lk, monkey
         for got_op, want_op in zip(got, want):
             for g, w in zip(got_op, want_op):
                 assert torch.equal(g, w), case
+
+
+@pytest.mark.gpu
+def test_a_change_of_tritons_debug_setting_is_a_new_kernel(lk, monkeypatch):
+    """Triton compiles a kernel per debug setting (device asserts, overflow checks): so does the cache."""
+    a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    with backend("auto"):
+        lk.silu_mul(a, a)
+        calls = _count_slow_launches(monkeypatch)
+        monkeypatch.setattr(triton.knobs.runtime, "debug", not triton.knobs.runtime.debug)
+        lk.silu_mul(a, a)
+    assert calls == ["_gated_forward_kernel"]
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ import os
 import sys
 
 import torch
+from torch.autograd import forward_ad
 
 try:
     import triton
@@ -105,6 +106,12 @@ def is_finite(value) -> bool:
         return math.isfinite(value)
     except OverflowError:  # an int too large for a float
         return False
+
+
+def forward_ad_active() -> bool:
+    """Whether a forward-mode AD dual level is open (``torch.autograd.forward_ad``). The kernels have no JVP, and
+    a dual tensor's tangent would not survive them: the ops run their differentiable PyTorch form instead."""
+    return forward_ad._current_level >= 0
 
 
 def exporting() -> bool:

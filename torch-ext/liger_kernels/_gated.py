@@ -313,12 +313,13 @@ def function_forward(gate, up, activation, gate_multiplier, down_multiplier) -> 
 
 
 def transforms_active(*tensors) -> bool:
-    """True inside a torch.func transform (vmap, grad, jacrev...): its wrapped tensors have no storage a
-    Triton kernel could read, so the differentiable PyTorch composite runs instead. (A compiled graph handles
-    transforms itself, and the check is opaque to the compiler.)"""
+    """True inside a torch.func transform (vmap, grad, jacrev...), whose wrapped tensors have no storage a
+    Triton kernel could read, or inside a forward-AD dual level (``_backend.forward_ad_active``): the
+    differentiable PyTorch composite runs instead. (A compiled graph handles transforms itself, and the check
+    is opaque to the compiler.)"""
     if torch.compiler.is_compiling():
         return False
-    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    return _backend.forward_ad_active() or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 def may_write_over(gate, up) -> bool:

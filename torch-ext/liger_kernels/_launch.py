@@ -7,18 +7,20 @@ binding the arguments to the signature, formatting the options into a cache key,
 (benchmarks/NOTES.md §15 has the profile). :func:`launch` keeps, per kernel, a map from a cheaper key to the
 compiled kernel Triton itself chose, and calls that kernel's launcher directly.
 
-It launches exactly what ``kernel[grid]`` would, because its key determines Triton's own:
+It launches the compiled kernel ``kernel[grid]`` would, because its key determines Triton's own:
 
 * each tensor by dtype, and whether its address is a multiple of 16 (Triton's alignment specialization);
 * each int by its width class (i32 / i64 / u64), whether it is 1 (Triton bakes 1 into the kernel) and whether
   it is a multiple of 16 (Triton's divisibility specialization); floats and bools by type only, as Triton;
-* the constexprs and launch options by name and value, and the current device (Triton caches per device).
+* the constexprs and launch options by name, type and value; Triton's debug and instrumentation settings;
+  the current device (Triton caches per device).
 
 A miss goes through ``kernel[grid]`` (compiling if needed) and keeps the compiled kernel it returns; tests/
-test_launch.py checks the key against Triton's own specialization function. The direct launch is taken only
-where its calling convention was verified, Triton 3.6 on a ``cuda`` device, and only while no launch hook is
-registered (profilers such as proton register them): everywhere else, and for any argument it does not
-recognize, ``kernel[grid]`` runs as usual.
+test_launch.py checks the key against Triton's own specialization function. What else ``kernel[grid]`` does
+per launch is kept or sends the call there: the check that the globals a kernel read have not changed since
+it was compiled (Triton raises), and pre-run or launch hooks (profilers such as proton register them). The
+direct launch is taken only where its calling convention was verified, Triton 3.6 on NVIDIA CUDA; everywhere
+else (ROCm, XPU, the interpreter), and for any argument it does not recognize, ``kernel[grid]`` runs.
 """
 
 import torch
@@ -34,14 +36,14 @@ if HAS_TRITON:
     from triton.knobs import HookChain
     from triton.runtime.jit import JITFunction
 
-    DIRECT = triton.__version__.startswith(VERIFIED_TRITON) and not triton_interpreted()
+    DIRECT = triton.__version__.startswith(VERIFIED_TRITON) and not triton_interpreted() and torch.version.hip is None
 else:
     DIRECT = False
 
 _I32 = (-(2**31), 2**31 - 1)
 _I64_MAX = 2**63 - 1
 
-# id(kernel) -> (kernel, {key: (launcher, function, packed_metadata, constexpr_names)}).
+# id(kernel) -> (kernel, {key: (launcher, function, packed_metadata, constexpr_names, global_checks)}).
 _CACHES = {}
 MAX_ENTRIES = 256  # per kernel; bounded because a key holds each int's class, not its value
 
@@ -67,28 +69,50 @@ class _Unrecognized(Exception):
     """An argument type the key does not cover: the launch goes through ``kernel[grid]``."""
 
 
-def _hooks_registered() -> bool:
+_MISSING = object()
+
+
+def _hooks_registered(kernel) -> bool:
     runtime = knobs.runtime
     for chain in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if type(chain) is not HookChain or chain.calls:
             return True
-    return False
+    return bool(kernel.pre_run_hooks)
+
+
+def _globals_unchanged(checks) -> bool:
+    """Triton's own check before each launch: a global the kernel read has the value it was compiled with."""
+    return all(namespace.get(name, _MISSING) == value for namespace, name, value in checks)
 
 
 def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
     """``kernel[grid](*args, **meta)``: runtime arguments positionally, in the signature's order, then every
     constexpr and launch option (``num_warps``...) by name."""
-    if DIRECT and type(kernel) is JITFunction and type(grid) is tuple and args[0].is_cuda and not _hooks_registered():
+    if (
+        DIRECT
+        and type(kernel) is JITFunction
+        and type(grid) is tuple
+        and args[0].is_cuda
+        and not _hooks_registered(kernel)
+    ):
         device = torch._C._cuda_getDevice()
         try:
-            key = (device, *meta.items(), *map(specialization_key, args))
-        except _Unrecognized:
+            key = (
+                device,
+                knobs.runtime.debug,
+                knobs.compilation.instrumentation_mode,
+                *meta.items(),
+                *map(type, meta.values()),  # True, 1 and 1.0 are equal keys but distinct constexprs
+                *map(specialization_key, args),
+            )
+            hash(key)
+        except (_Unrecognized, TypeError):  # an argument the key does not cover, or an unhashable constexpr
             key = None
         entry = _CACHES.get(id(kernel))
         if key is not None and entry is not None and entry[0] is kernel:
             compiled = entry[1].get(key)
-            if compiled is not None:
-                run, function, metadata, names = compiled
+            if compiled is not None and (not compiled[4] or _globals_unchanged(compiled[4])):
+                run, function, metadata, names, _ = compiled
                 stream = torch._C._cuda_getCurrentRawStream(device)
                 run(
                     grid[0],
@@ -126,4 +150,5 @@ def _remember(kernel, key, compiled, n_args: int, meta: dict) -> None:
         entry = _CACHES[id(kernel)] = (kernel, {})
     if len(entry[1]) >= MAX_ENTRIES:
         entry[1].clear()
-    entry[1][key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(names))
+    checks = tuple((namespace, name, value) for (name, _), (value, namespace) in kernel.used_global_vals.items())
+    entry[1][key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(names), checks)

@@ -753,7 +753,7 @@ def apply_rows(logits, target, ce_weight, opts: Options, want_pred: bool):
     if torch.compiler.is_compiling() and not _backend.exporting():
         ce, z, pred, _ = _rows_op(logits, target, ce_weight, *opts, want_pred)
         return ce, z, pred if want_pred else None
-    if torch.compiler.is_compiling() or is_functorch(logits):  # torch.export, or torch.func transforms
+    if torch.compiler.is_compiling() or is_functorch(logits) or _backend.forward_ad_active():  # export, torch.func
         _, ce, z, pred = rows_torch(logits, target, ce_weight, opts, want_pred)
         return ce, z, pred
     return _EagerRows.apply(logits, target, ce_weight, opts, want_pred)

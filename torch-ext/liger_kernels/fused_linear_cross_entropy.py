@@ -585,7 +585,7 @@ torch.library.register_autograd(_forward_op, _op_backward, setup_context=_op_set
 
 def _apply(input, weight, target, bias, ce_weight, opts: Options, dtype, accum_dtype, want_pred, want_accuracy):
     """(loss, z_loss, token_accuracy, pred) with autograd, for validated inputs."""
-    if _backend.exporting():
+    if _backend.exporting() or _backend.forward_ad_active():  # aten ops only; dual tensors' tangents
         return composite(input, weight, target, bias, ce_weight, opts, want_pred, want_accuracy)
     if torch.compiler.is_compiling():
         grad_on = torch.is_grad_enabled()

@@ -103,7 +103,14 @@ def _needs_composite(x: torch.Tensor, weight: torch.Tensor) -> bool:
     DTensor), and exported programs: they get the differentiable PyTorch form, which dispatches as usual."""
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     plain = (torch.Tensor, torch.nn.Parameter)
-    return type(x) not in plain or type(weight) not in plain or wrapped(x) or wrapped(weight) or _backend.exporting()
+    return (
+        type(x) not in plain
+        or type(weight) not in plain
+        or wrapped(x)
+        or wrapped(weight)
+        or _backend.exporting()
+        or _backend.forward_ad_active()
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -523,7 +523,8 @@ torch.library.register_autograd(rotary_forward_op, _op_backward, setup_context=_
 
 
 def _is_functorch(tensors) -> bool:
-    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    """torch.func's wrapped tensors, or a forward-AD dual level: the composite runs (see _backend)."""
+    return _backend.forward_ad_active() or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 def liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
