@@ -96,6 +96,8 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
         and not _hooks_registered(kernel)
     ):
         device = torch._C._cuda_getDevice()
+        entry = _CACHES.get(id(kernel))
+        cache = entry[1] if entry is not None and entry[0] is kernel else None
         try:
             key = (
                 device,
@@ -105,29 +107,25 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
                 *map(type, meta.values()),  # True, 1 and 1.0 are equal keys but distinct constexprs
                 *map(specialization_key, args),
             )
-            hash(key)
+            compiled = cache.get(key) if cache is not None else None
         except (_Unrecognized, TypeError):  # an argument the key does not cover, or an unhashable constexpr
-            key = None
-        entry = _CACHES.get(id(kernel))
-        if key is not None and entry is not None and entry[0] is kernel:
-            compiled = entry[1].get(key)
-            if compiled is not None and (not compiled[4] or _globals_unchanged(compiled[4])):
-                run, function, metadata, names, _ = compiled
-                stream = torch._C._cuda_getCurrentRawStream(device)
-                run(
-                    grid[0],
-                    grid[1] if len(grid) > 1 else 1,
-                    grid[2] if len(grid) > 2 else 1,
-                    stream,
-                    function,
-                    metadata,
-                    None,  # launch metadata and hooks: none registered (checked above)
-                    None,
-                    None,
-                    *args,
-                    *[meta[name] for name in names],
-                )
-                return
+            key = compiled = None
+        if compiled is not None and (not compiled[4] or _globals_unchanged(compiled[4])):
+            run, function, metadata, names, _ = compiled
+            run(
+                grid[0],
+                grid[1] if len(grid) > 1 else 1,
+                grid[2] if len(grid) > 2 else 1,
+                torch._C._cuda_getCurrentRawStream(device),
+                function,
+                metadata,
+                None,  # launch metadata and hooks: none registered (checked above)
+                None,
+                None,
+                *args,
+                *[meta[name] for name in names],
+            )
+            return
         compiled = kernel[grid](*args, **meta)
         if key is not None:
             _remember(kernel, key, compiled, len(args), meta)
@@ -151,4 +149,7 @@ def _remember(kernel, key, compiled, n_args: int, meta: dict) -> None:
     if len(entry[1]) >= MAX_ENTRIES:
         entry[1].clear()
     checks = tuple((namespace, name, value) for (name, _), (value, namespace) in kernel.used_global_vals.items())
-    entry[1][key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(names), checks)
+    try:
+        entry[1][key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(names), checks)
+    except TypeError:  # an unhashable constexpr: this launch keeps kernel[grid]
+        pass
