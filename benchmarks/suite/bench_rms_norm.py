@@ -184,8 +184,8 @@ def host_rows() -> list:
 # ----------------------------------------------------------------------------------------------------------
 # The sweep: this package's kernels under other launch parameters.
 
-SWEEP_NAMES = ("FORWARD_TILE", "BACKWARD_TILE", "ELEMENTS_PER_THREAD", "BACKWARD_THREADS_PER_SM", "BACKWARD_STAGES",
-               "BACKWARD_SHARED_BYTES", "BACKWARD_LOAD_EVICTION", "BACKWARD_STORE_CACHE")  # fmt: skip
+SWEEP_NAMES = ("FORWARD_TILE", "BACKWARD_TILE", "ELEMENTS_PER_THREAD", "BACKWARD_THREADS_PER_SM",
+               "BACKWARD_STAGES", "BACKWARD_SHARED_BYTES")  # fmt: skip
 SWEEP = [
     {"ELEMENTS_PER_THREAD": 8},
     {"ELEMENTS_PER_THREAD": 32},
@@ -199,9 +199,6 @@ SWEEP = [
     {"BACKWARD_STAGES": 2},
     {"BACKWARD_STAGES": 3},
     {"BACKWARD_STAGES": 6, "BACKWARD_SHARED_BYTES": 160 * 1024},
-    {"BACKWARD_LOAD_EVICTION": "evict_first"},
-    {"BACKWARD_STORE_CACHE": ".cs"},
-    {"BACKWARD_LOAD_EVICTION": "evict_first", "BACKWARD_STORE_CACHE": ".cs"},
 ]
 
 

@@ -135,10 +135,6 @@ BACKWARD_THREADS_PER_SM = 512
 # BACKWARD_SHARED_BYTES or half the device's shared memory per block.
 BACKWARD_STAGES = 3
 BACKWARD_SHARED_BYTES = 96 * 1024
-# Cache hints for the backward's streams (x and d_y read once, d_x written once): Triton's eviction policy for
-# the loads and cache modifier for the stores ("" = the defaults); bench_rms_norm.py --sweep measures them.
-BACKWARD_LOAD_EVICTION = ""
-BACKWARD_STORE_CACHE = ""
 
 
 @jit
@@ -219,8 +215,6 @@ def _rms_norm_backward_kernel(
     BLOCK_COLS: constexpr,
     ONE_BLOCK: constexpr,
     STAGES: constexpr,
-    LOAD_EVICTION: constexpr = "",
-    STORE_CACHE: constexpr = "",
 ):
     pid = tl.program_id(0).to(tl.int64)
     first_row = pid * blocks_per_program * BLOCK_ROWS
@@ -236,18 +230,8 @@ def _rms_norm_backward_kernel(
             rows = first_row + block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
-            d_y = tl.load(
-                d_y_ptr + rows[:, None] * d_y_row_stride + cols[None, :],
-                mask=mask,
-                other=0.0,
-                eviction_policy=LOAD_EVICTION,
-            )
-            x = tl.load(
-                x_ptr + rows[:, None] * x_row_stride + cols[None, :],
-                mask=mask,
-                other=0.0,
-                eviction_policy=LOAD_EVICTION,
-            )
+            d_y = tl.load(d_y_ptr + rows[:, None] * d_y_row_stride + cols[None, :], mask=mask, other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             d_y = d_y.to(tl.float32)
             x_normed = x.to(tl.float32) * rstd[:, None]
@@ -255,12 +239,7 @@ def _rms_norm_backward_kernel(
                 d_x_normed = d_y * weight[None, :]
                 mean_dot = tl.sum(d_x_normed * x_normed, axis=1) / n_cols
                 d_x = (d_x_normed - x_normed * mean_dot[:, None]) * rstd[:, None]
-                tl.store(
-                    d_x_ptr + rows[:, None] * n_cols + cols[None, :],
-                    d_x.to(d_x_ptr.dtype.element_ty),
-                    mask=mask,
-                    cache_modifier=STORE_CACHE,
-                )
+                tl.store(d_x_ptr + rows[:, None] * n_cols + cols[None, :], d_x.to(d_x_ptr.dtype.element_ty), mask=mask)
             if STORE_D_WEIGHT:
                 if LLAMA:
                     x_normed = x_normed.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -492,8 +471,6 @@ def _backward_triton(d_y, x, weight, rstd, offset, llama, needs_x, needs_w):
         BLOCK_COLS=block_cols,
         ONE_BLOCK=one_block,
         STAGES=_backward_stages(n_cols, x.dtype, d_y.dtype, x.device),
-        LOAD_EVICTION=BACKWARD_LOAD_EVICTION,
-        STORE_CACHE=BACKWARD_STORE_CACHE,
         num_warps=warps,
     )
     d_weight = None
