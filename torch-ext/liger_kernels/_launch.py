@@ -40,29 +40,37 @@ if HAS_TRITON:
 else:
     DIRECT = False
 
-_I32 = (-(2**31), 2**31 - 1)
-_I64_MAX = 2**63 - 1
 
 # id(kernel) -> (kernel, {key: (launcher, function, packed_metadata, constexpr_names, global_checks)}).
 _CACHES = {}
 MAX_ENTRIES = 256  # per kernel; bounded because a key holds each int's class, not its value
 
 
+_PLAIN = (float, bool, type(None))  # Triton: fp32 and u1 unspecialized, None a constexpr
+
+
+def argument_keys(args, _tensor=torch.Tensor, _plain=_PLAIN, _i64_max=2**63 - 1) -> list:
+    """What Triton specializes on for each runtime argument, or more (never less). One expression, not a call
+    per argument, with its names bound locally: this runs on every launch."""
+    return [
+        (value == 1, value % 16 == 0, -(2**31) <= value <= 2**31 - 1, value <= _i64_max)
+        if type(value) is int
+        else (value.dtype, value.data_ptr() % 16 == 0)
+        if isinstance(value, _tensor)
+        else type(value)
+        if type(value) in _plain
+        else _unrecognized(value)
+        for value in args
+    ]
+
+
 def specialization_key(value):
-    """What Triton specializes on for one runtime argument, or more (never less)."""
-    kind = type(value)
-    if kind is bool:
-        return bool
-    if kind is int:
-        width = 0 if _I32[0] <= value <= _I32[1] else (1 if value <= _I64_MAX else 2)
-        return (width, value == 1, value % 16 == 0)
-    if kind is float:
-        return float
-    if isinstance(value, torch.Tensor):
-        return (value.dtype, value.data_ptr() % 16 == 0)
-    if value is None:
-        return None
-    raise _Unrecognized
+    """``argument_keys`` of one argument."""
+    return argument_keys((value,))[0]
+
+
+def _unrecognized(value):
+    raise _Unrecognized(type(value).__name__)
 
 
 class _Unrecognized(Exception):
@@ -105,7 +113,7 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
                 knobs.compilation.instrumentation_mode,
                 *meta.items(),
                 *map(type, meta.values()),  # True, 1 and 1.0 are equal keys but distinct constexprs
-                *map(specialization_key, args),
+                *argument_keys(args),
             )
             compiled = cache.get(key) if cache is not None else None
         except (_Unrecognized, TypeError):  # an argument the key does not cover, or an unhashable constexpr
