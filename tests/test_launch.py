@@ -136,14 +136,14 @@ def _count_slow_launches(monkeypatch) -> list:
     return calls
 
 
-def _every_op(lk, n_cols: int, offset: int):
+def _every_op(lk, n_cols: int, offset: int, device: str = "cuda"):
     """One call of each kernel family on bf16 CUDA tensors whose rows are ``n_cols`` wide and whose data
     start ``offset`` elements into their storage (offset 1 breaks Triton's 16-byte alignment)."""
     torch.manual_seed(n_cols + offset)
     results = []
 
     def tensor(*shape):
-        flat = torch.randn(offset + torch.Size(shape).numel(), device="cuda", dtype=torch.bfloat16)
+        flat = torch.randn(offset + torch.Size(shape).numel(), device=device, dtype=torch.bfloat16)
         return flat[offset:].view(shape).requires_grad_()
 
     a, b = tensor(8, n_cols), tensor(8, n_cols)
@@ -152,14 +152,14 @@ def _every_op(lk, n_cols: int, offset: int):
     results.append((lk.rms_norm(x, weight, 1e-6), (x, weight)))
     q, k, cos, sin = tensor(1, 4, 8, 64), tensor(1, 2, 8, 64), tensor(1, 8, 64), tensor(1, 8, 64)
     results.append((torch.cat([t.flatten() for t in lk.liger_rotary_pos_emb(q, k, cos, sin)]), (q, k)))
-    logits, target = tensor(8, n_cols), torch.randint(0, n_cols, (8,), device="cuda")
+    logits, target = tensor(8, n_cols), torch.randint(0, n_cols, (8,), device=device)
     results.append((lk.cross_entropy.cross_entropy(logits, target), (logits,)))
     return results
 
 
-def _run_all(lk, n_cols, offset):
+def _run_all(lk, n_cols, offset, device="cuda"):
     outputs = []
-    for out, inputs in _every_op(lk, n_cols, offset):
+    for out, inputs in _every_op(lk, n_cols, offset, device):
         grads = torch.autograd.grad(out.float().square().sum(), inputs)
         outputs.append([out.detach().float(), *[g.float() for g in grads]])
     return outputs
@@ -235,3 +235,25 @@ def test_a_registered_launch_hook_sees_every_launch(lk):
         finally:
             triton.knobs.runtime.launch_enter_hook.remove(hook)
     assert seen == ["_gated_forward_kernel"]
+
+
+@pytest.mark.gpu
+def test_tensors_on_another_gpu_run_there(lk):
+    """A model spread over GPUs (device_map="auto") calls layers whose tensors are not on the current device:
+    every op runs on the tensors' device and stream, as a PyTorch op does (Triton alone launches on the
+    current one), forward and backward, bit-equal to the same calls on the current device."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    assert torch.cuda.current_device() == 0
+    with backend("auto"):
+        for offset in (0, 1):
+            torch.manual_seed(offset)
+            want = _run_all(lk, 4096, offset, "cuda:0")
+            torch.manual_seed(offset)
+            got = _run_all(lk, 4096, offset, "cuda:1")
+            torch.cuda.synchronize(1)
+            assert torch.cuda.current_device() == 0
+            for got_op, want_op in zip(got, want):
+                for g, w in zip(got_op, want_op):
+                    assert g.device == torch.device("cuda:1")
+                    assert torch.equal(g.cpu(), w.cpu())

@@ -95,12 +95,23 @@ def _globals_unchanged(checks) -> bool:
 
 def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
     """``kernel[grid](*args, **meta)``: runtime arguments positionally, in the signature's order, then every
-    constexpr and launch option (``num_warps``...) by name."""
+    constexpr and launch option (``num_warps``...) by name; on the device of ``args[0]``.
+
+    Triton launches on the *current* device. A model spread over GPUs (``device_map="auto"``) calls layers
+    whose tensors are on another one: the launch is then made with that device current, on its stream, as a
+    PyTorch op would be."""
+    first = args[0]
+    if first.is_cuda or first.is_xpu:
+        index = first.get_device()
+        module = torch.cuda if first.is_cuda else torch.xpu
+        if index != module.current_device():
+            with module.device(index):
+                return launch(kernel, grid, args, **meta)
     if (
         DIRECT
         and type(kernel) is JITFunction
         and type(grid) is tuple
-        and args[0].is_cuda
+        and first.is_cuda
         and not _hooks_registered(kernel)
     ):
         device = torch._C._cuda_getDevice()
