@@ -356,6 +356,8 @@ def test_cuda_from_pretrained_use_kernels(
 
     ids = torch.randint(0, SIZES["vocab_size"], (2, 3 * SIZES["hidden_size"] + 5), device="cuda")
     (loss, grads), (ref_loss, ref_grads) = loss_and_grads(model, ids), loss_and_grads(plain, ids)
+    errors = [((g - r).norm() / r.norm()).item() for g, r in zip(grads, ref_grads)]
+    print(f"use_kernels=True, training layers {layers}: loss {loss.item():.8f} against {ref_loss.item():.8f}; "
+          f"largest gradient relative error {max(errors):.2e} over {len(errors)} parameters")  # fmt: skip
     assert abs(loss.item() - ref_loss.item()) < 1e-5 * abs(ref_loss.item())
-    for g, r in zip(grads, ref_grads):
-        assert ((g - r).norm() / r.norm()).item() < 1e-4
+    assert max(errors) < 1e-4
