@@ -324,34 +324,31 @@ def _blocks(n_cols: int) -> dict:
     return {"BLOCK": block, "N_BLOCKS": -(-n_cols // block)}
 
 
+def _option_arguments(opts: Options, ce_weight, weight_total, dummy):
+    """The options both kernels take: the class-weight pointers (``dummy`` for absent ones, never dereferenced
+    when the flag is off), the runtime scalars (in the kernels' order) and the constexpr flags."""
+    weights = (dummy if ce_weight is None else ce_weight, dummy if weight_total is None else weight_total)
+    scalars = (opts.ignore_index, opts.lse_square_scale, opts.label_smoothing, opts.softcap or 1.0)
+    flags = {
+        "HAS_CE_WEIGHT": ce_weight is not None,
+        "SOFTCAP": opts.softcap is not None,
+        "SMOOTHING": opts.label_smoothing > 0,
+        "TOKEN_SCALING": opts.use_token_scaling,
+    }
+    return weights, scalars, flags
+
+
 def _stats_triton(logits, target, ce_weight, weight_total, opts: Options, lse, ce, z, pred):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    dummy = lse  # stands in for absent pointers: never dereferenced when the flag is off
+    weights, scalars, flags = _option_arguments(opts, ce_weight, weight_total, lse)
+    outputs = (lse, ce, z, lse if pred is None else pred)
     launch(
         _ce_stats_kernel,
         (n_rows,),
-        (
-            logits,
-            logits.stride(0),
-            target,
-            ce_weight if ce_weight is not None else dummy,
-            weight_total if weight_total is not None else dummy,
-            lse,
-            ce,
-            z,
-            pred if pred is not None else dummy,
-            n_cols,
-            opts.ignore_index,
-            opts.lse_square_scale,
-            opts.label_smoothing,
-            opts.softcap or 1.0,
-        ),
-        HAS_CE_WEIGHT=ce_weight is not None,
-        SOFTCAP=opts.softcap is not None,
-        SMOOTHING=opts.label_smoothing > 0,
-        TOKEN_SCALING=opts.use_token_scaling,
+        (logits, logits.stride(0), target, *weights, *outputs, n_cols, *scalars),
+        **flags,
         STORE_PRED=pred is not None,
         **_blocks(n_cols),
         num_warps=NUM_WARPS,
@@ -362,34 +359,14 @@ def _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    dummy = lse
+    weights, scalars, flags = _option_arguments(opts, ce_weight, weight_total, lse)
+    scales = (ce_scale, _row_stride(ce_scale), z_scale, _row_stride(z_scale))
     launch(
         _ce_grad_kernel,
         (n_rows,),
-        (
-            logits,
-            logits.stride(0),
-            grad,
-            grad.stride(0),
-            target,
-            ce_weight if ce_weight is not None else dummy,
-            weight_total if weight_total is not None else dummy,
-            lse,
-            ce_scale,
-            _row_stride(ce_scale),
-            z_scale,
-            _row_stride(z_scale),
-            n_cols,
-            opts.ignore_index,
-            opts.lse_square_scale,
-            opts.label_smoothing,
-            opts.softcap or 1.0,
-        ),
-        HAS_CE_WEIGHT=ce_weight is not None,
-        SOFTCAP=opts.softcap is not None,
-        SMOOTHING=opts.label_smoothing > 0,
+        (logits, logits.stride(0), grad, grad.stride(0), target, *weights, lse, *scales, n_cols, *scalars),
+        **flags,
         Z_LOSS=opts.lse_square_scale != 0.0,
-        TOKEN_SCALING=opts.use_token_scaling,
         **_blocks(n_cols),
         num_warps=NUM_WARPS,
     )
