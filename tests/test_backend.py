@@ -262,3 +262,23 @@ def test_forward_ad_tangents_survive_every_op(lk, op, name, grad_mode):
         got = torch.autograd.forward_ad.unpack_dual(first(fn(*duals))).tangent
     assert got is not None, f"{op}: the tangent was dropped"
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_forward_ad_through_the_public_functions_raises_pytorchs_error(lk, name):
+    """The autograd Functions have no jvp: forward-mode AD through them raises PyTorch's own error (never a
+    dropped tangent)."""
+    if name == "triton" and not lk._backend.triton_interpreted():
+        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    a, b, weight = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
+    calls = {
+        "LigerSiLUMulFunction": lambda a, b: lk.LigerSiLUMulFunction.apply(a, b),
+        "LigerGELUMulFunction": lambda a, b: lk.LigerGELUMulFunction.apply(a, b),
+        "LigerRMSNormFunction": lambda a, b: lk.LigerRMSNormFunction.apply(a, weight),
+    }
+    with backend(name), torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(a, torch.randn_like(a))
+        for function, call in calls.items():
+            with pytest.raises((NotImplementedError, RuntimeError), match="jvp"):
+                call(dual, b)
+                pytest.fail(f"{function} returned under forward-mode AD")
