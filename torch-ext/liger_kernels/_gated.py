@@ -317,9 +317,11 @@ def transforms_active(*tensors) -> bool:
     Triton kernel could read, or inside a forward-AD dual level (``_backend.forward_ad_active``): the
     differentiable PyTorch composite runs instead. (A compiled graph handles transforms itself, and the check
     is opaque to the compiler.)"""
+    if _backend.forward_ad_active():  # compiled too: the torch.library ops have no forward-AD rule
+        return True
     if torch.compiler.is_compiling():
         return False
-    return _backend.forward_ad_active() or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 def may_write_over(gate, up) -> bool:

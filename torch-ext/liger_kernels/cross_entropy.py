@@ -727,7 +727,7 @@ torch.library.register_autograd(_rows_op, _rows_op_backward, setup_context=_rows
 
 def apply_rows(logits, target, ce_weight, opts: Options, want_pred: bool):
     """(ce, z, pred) rows of validated 2-D logits, differentiable through ce and z."""
-    if torch.compiler.is_compiling() and not _backend.exporting():
+    if torch.compiler.is_compiling() and not (_backend.exporting() or _backend.forward_ad_active()):
         ce, z, pred, _ = _rows_op(logits, target, ce_weight, *opts, want_pred)
         return ce, z, pred if want_pred else None
     if torch.compiler.is_compiling() or is_functorch(logits) or _backend.forward_ad_active():  # export, torch.func

@@ -671,7 +671,7 @@ def rms_norm(x, weight, eps=1e-6, offset=0.0, casting="llama"):
     torch.library op; under torch.func or export, or for tensor subclasses, the differentiable PyTorch form."""
     eps, offset, llama = check_inputs(x, weight, eps, offset, casting)
     if torch.compiler.is_compiling():
-        if _backend.exporting():
+        if _backend.exporting() or _backend.forward_ad_active():  # the custom op has no forward-AD rule
             return _forward_torch(x, weight, eps, offset, llama)[0]
         return rms_norm_forward_op(x, weight, eps, offset, llama)[0]
     if _needs_composite(x, weight):

@@ -533,7 +533,7 @@ def liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     cos, sin = _check(q, k, cos, sin, unsqueeze_dim)
     cos_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
     if torch.compiler.is_compiling():
-        if _backend.exporting() or cos_grad:
+        if _backend.exporting() or cos_grad or _backend.forward_ad_active():  # the op has no forward-AD rule
             return _composite(q, k, cos, sin)
         return rotary_forward_op(q, k, cos, sin)
     if cos_grad or _is_functorch((q, k, cos, sin)):
