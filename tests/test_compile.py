@@ -54,6 +54,38 @@ def compiled_vs_eager(lk, variant_root, name, mode, device="cpu"):
     return eager, mlp_cls, kind, want, got
 
 
+PUBLIC_FUNCTION_CALLS = {
+    "LigerSiLUMulFunction(a, b)": (lambda lk, a, b: lk.LigerSiLUMulFunction.apply(a, b), "silu"),
+    "LigerSiLUMulFunction(a, b, 0.5)": (lambda lk, a, b: lk.LigerSiLUMulFunction.apply(a, b, 0.5), "silu_half"),
+    "LigerGELUMulFunction(a, b)": (lambda lk, a, b: lk.LigerGELUMulFunction.apply(a, b), "gelu_tanh"),
+    "LigerGELUMulFunction(a, b, 'none')": (lambda lk, a, b: lk.LigerGELUMulFunction.apply(a, b, "none"), "gelu"),
+}
+REFERENCES = {
+    "silu": lambda a, b: torch.nn.functional.silu(a) * b,
+    "silu_half": lambda a, b: torch.nn.functional.silu(0.5 * a) * b,
+    "gelu_tanh": lambda a, b: torch.nn.functional.gelu(a, approximate="tanh") * b,
+    "gelu": lambda a, b: torch.nn.functional.gelu(a) * b,
+}
+
+
+@pytest.mark.parametrize("call", sorted(PUBLIC_FUNCTION_CALLS))
+def test_public_functions_compile_in_one_graph_with_their_defaults(lk, call):
+    """torch.compile hands setup_context only the arguments the call gave (eager apply binds the defaults):
+    the Functions fill in the rest, so a call that leaves them out traces in one graph, equal to eager."""
+    fn, reference = PUBLIC_FUNCTION_CALLS[call]
+    a = torch.randn(4, 40, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 40, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(lambda a, b: fn(lk, a, b), backend="aot_eager", fullgraph=True)
+    out = compiled(a, b)
+    want = REFERENCES[reference](a, b)
+    d_out = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, (a, b), d_out)
+    want_grads = torch.autograd.grad(want, (a, b), d_out)
+    assert torch.allclose(out, want, rtol=1e-12, atol=0)
+    for got, expected in zip(got_grads, want_grads):
+        assert torch.allclose(got, expected, rtol=1e-10, atol=1e-14)
+
+
 @pytest.mark.parametrize("mode", ["INFERENCE", "TRAINING"])
 def test_compiled_kernelized_llama_equals_eager(lk, variant_root, tagged, mode):
     mode_flag = getattr(Mode, mode) | Mode.TORCH_COMPILE
