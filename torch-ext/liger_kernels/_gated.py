@@ -318,20 +318,6 @@ def with_defaults(inputs: tuple, defaults: tuple) -> tuple:
     return (*inputs, *defaults[len(inputs) - 2 :])
 
 
-def needs_the_function() -> bool:
-    """Whether a public Function's ``apply`` must run the Function itself: torch.func transforms (which need
-    its setup_context and vmap rule), forward-mode AD (which raises PyTorch's jvp error for it), torch.compile
-    and torch.export (which trace it). Otherwise it takes the functional form's path, the same contract with
-    a ctx-style Function: the setup_context style binds its arguments through ``inspect.signature`` on every
-    apply, several times the host cost of the op itself (benchmarks/NOTES.md §10)."""
-    return (
-        torch._C._are_functorch_transforms_active()
-        or _backend.forward_ad_active()
-        or torch.compiler.is_compiling()
-        or _backend.exporting()
-    )
-
-
 def transforms_active(*tensors) -> bool:
     """True inside a torch.func transform (vmap, grad, jacrev...), whose wrapped tensors have no storage a
     Triton kernel could read, or inside a forward-AD dual level (``_backend.forward_ad_active``): the

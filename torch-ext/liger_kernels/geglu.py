@@ -38,12 +38,6 @@ class LigerGELUMulFunction(torch.autograd.Function):
 
     generate_vmap_rule = True  # elementwise: torch.func.vmap runs forward on the batched tensors
 
-    @classmethod
-    def apply(cls, a, b, approximate="tanh", in_place_backward=False):
-        if _gated.needs_the_function():
-            return super().apply(a, b, approximate, in_place_backward)
-        return gelu_mul(a, b, approximate, in_place_backward)  # the same contract, cheaper
-
     @staticmethod
     def forward(a, b, approximate="tanh", in_place_backward=False):
         activation, _ = _checked(a, b, approximate, in_place_backward)

@@ -30,12 +30,6 @@ class LigerSiLUMulFunction(torch.autograd.Function):
 
     generate_vmap_rule = True  # elementwise: torch.func.vmap runs forward on the batched tensors
 
-    @classmethod
-    def apply(cls, a, b, gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):
-        if _gated.needs_the_function():
-            return super().apply(a, b, gate_multiplier, down_multiplier, in_place_backward)
-        return silu_mul(a, b, gate_multiplier, down_multiplier, in_place_backward)  # the same contract, cheaper
-
     @staticmethod
     def forward(a, b, gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):
         gate_multiplier, down_multiplier, _ = _checked(a, b, gate_multiplier, down_multiplier, in_place_backward)
