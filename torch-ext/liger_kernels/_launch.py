@@ -101,20 +101,21 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
     whose tensors are on another one: the launch is then made with that device current, on its stream, as a
     PyTorch op would be."""
     first = args[0]
-    if first.is_cuda or first.is_xpu:
-        index = first.get_device()
-        module = torch.cuda if first.is_cuda else torch.xpu
-        if index != module.current_device():
-            with module.device(index):
-                return launch(kernel, grid, args, **meta)
+    if not (first.is_cuda or first.is_xpu):  # the interpreter's CPU tensors
+        kernel[grid](*args, **meta)
+        return
+    device = first.get_device()
+    module = torch.cuda if first.is_cuda else torch.xpu
+    if device != module.current_device():
+        with module.device(device):
+            return launch(kernel, grid, args, **meta)
     if (
         DIRECT
+        and first.is_cuda
         and type(kernel) is JITFunction
         and type(grid) is tuple
-        and first.is_cuda
         and not _hooks_registered(kernel)
     ):
-        device = torch._C._cuda_getDevice()
         entry = _CACHES.get(id(kernel))
         cache = entry[1] if entry is not None and entry[0] is kernel else None
         try:
