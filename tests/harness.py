@@ -65,17 +65,22 @@ def skip_unless_runnable(name: str, device: str = "cpu") -> None:
 @contextlib.contextmanager
 def poisoned_outputs(lk):
     """Kernel outputs come back NaN-filled from the allocator, so an element a kernel fails to write shows."""
-    original = lk._backend.new_tensor
+    original = lk._backend.new_tensor, lk._backend.new_strided
+
+    def fill(dtype):
+        return float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min  # integer outputs: a sentinel
 
     def poisoned(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min  # integer outputs: a sentinel
-        return torch.full(shape, fill, dtype=dtype, device=device)
+        return torch.full(shape, fill(dtype), dtype=dtype, device=device)
 
-    lk._backend.new_tensor = poisoned
+    def poisoned_strided(shape, stride, dtype, device):
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(fill(dtype))
+
+    lk._backend.new_tensor, lk._backend.new_strided = poisoned, poisoned_strided
     try:
         yield
     finally:
-        lk._backend.new_tensor = original
+        lk._backend.new_tensor, lk._backend.new_strided = original
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -45,6 +45,12 @@ def next_power_of_2(n: int) -> int:
 # up at call time) so that tests can poison outputs (fill them with NaN) before a launch.
 new_tensor = torch.empty
 
+
+def new_strided(shape, stride, dtype, device) -> torch.Tensor:
+    """An output with the given strides (one call; ``new_tensor`` then ``permute`` costs two)."""
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
 TRITON_DEVICE_TYPES = ("cuda", "xpu")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("auto", "torch", "triton")

@@ -100,6 +100,33 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
     Triton launches on the *current* device. A model spread over GPUs (``device_map="auto"``) calls layers
     whose tensors are on another one: the launch is then made with that device current, on its stream, as a
     PyTorch op would be."""
+    _launch(kernel, grid, args, meta, None, args)
+
+
+class Prepared:
+    """A call site's fixed part of a launch, for sites that cache a plan per layout (rotary): the grid, the
+    scalar arguments that follow the tensors, and the constexprs. Their share of the key is computed once
+    here instead of on every launch."""
+
+    __slots__ = ("grid", "scalars", "meta", "key")
+
+    def __init__(self, grid: tuple, scalars: tuple, **meta):
+        self.grid, self.scalars, self.meta = grid, tuple(scalars), meta
+        try:
+            self.key = (Prepared, *meta.items(), *map(type, meta.values()), *argument_keys(self.scalars))
+            hash(self.key)
+        except (_Unrecognized, TypeError):  # never direct, as in ``launch``
+            self.key = None
+
+
+def launch_prepared(kernel, tensors: tuple, prepared: Prepared) -> None:
+    """``launch(kernel, prepared.grid, (*tensors, *prepared.scalars), **prepared.meta)``."""
+    _launch(kernel, prepared.grid, (*tensors, *prepared.scalars), prepared.meta, prepared.key, tensors)
+
+
+def _launch(kernel, grid, args, meta, fixed_key, keyed_args) -> None:
+    """The launch itself. ``fixed_key``, when given, stands for the key of every argument after
+    ``keyed_args`` and of ``meta`` (a ``Prepared``'s)."""
     first = args[0]
     if not (first.is_cuda or first.is_xpu):  # the interpreter's CPU tensors
         kernel[grid](*args, **meta)
@@ -108,7 +135,7 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
     module = torch.cuda if first.is_cuda else torch.xpu
     if device != module.current_device():
         with module.device(device):
-            return launch(kernel, grid, args, **meta)
+            return _launch(kernel, grid, args, meta, fixed_key, keyed_args)
     if (
         DIRECT
         and first.is_cuda
@@ -119,14 +146,16 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
         entry = _CACHES.get(id(kernel))
         cache = entry[1] if entry is not None and entry[0] is kernel else None
         try:
-            key = (
-                device,
-                knobs.runtime.debug,
-                knobs.compilation.instrumentation_mode,
-                *meta.items(),
-                *map(type, meta.values()),  # True, 1 and 1.0 are equal keys but distinct constexprs
-                *argument_keys(args),
-            )
+            head = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+            if fixed_key is not None:
+                key = (*head, fixed_key, *argument_keys(keyed_args))
+            else:
+                key = (
+                    *head,
+                    *meta.items(),
+                    *map(type, meta.values()),  # True, 1 and 1.0 are equal keys but distinct constexprs
+                    *argument_keys(args),
+                )
             compiled = cache.get(key) if cache is not None else None
         except (_Unrecognized, TypeError):  # an argument the key does not cover, or an unhashable constexpr
             key = compiled = None

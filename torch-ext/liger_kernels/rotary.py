@@ -36,7 +36,7 @@ import torch
 
 from . import _backend
 from ._backend import constexpr, jit, tl, use_triton
-from ._launch import launch
+from ._launch import Prepared, launch_prepared
 
 OP = "liger_rotary_pos_emb"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -89,9 +89,14 @@ def _check(q, k, cos, sin, unsqueeze_dim):
             f"{OP}: `cos`/`sin` unsqueezed at {unsqueeze_dim} have shape {tuple(cos.shape)}: the last dim "
             f"must be the head dim {head_dim} or half of it"
         )
-    fits = cos.dim() <= q.dim() and all(
-        c == 1 or c == q.shape[i] == k.shape[i] for i, c in zip(range(-2, -cos.dim() - 1, -1), cos.shape[-2::-1])
-    )
+    q_shape, k_shape, cos_shape = q.shape, k.shape, cos.shape
+    fits = len(cos_shape) <= len(q_shape)
+    if fits:  # a loop, not all(generator): this runs on every call
+        for i in range(-2, -len(cos_shape) - 1, -1):
+            c = cos_shape[i]
+            if c != 1 and not c == q_shape[i] == k_shape[i]:
+                fits = False
+                break
     if not fits:
         raise ValueError(
             f"{OP}: `cos`/`sin` unsqueezed at {unsqueeze_dim} have shape {tuple(cos.shape)}, which does "
@@ -109,11 +114,32 @@ def _dense_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     elementwise result would be. The fake (compile-time) outputs use this too, so their strides agree."""
     if x.is_contiguous():
         return _backend.new_tensor(x.shape, dtype=dtype, device=x.device)
-    strides = x.stride()
-    lead = sorted(range(x.dim() - 1), key=lambda d: -strides[d])  # stable: ties keep the outer dim first
-    order = [*lead, x.dim() - 1]
-    dense = _backend.new_tensor([x.shape[d] for d in order], dtype=dtype, device=x.device)
-    return dense.permute([order.index(d) for d in range(x.dim())])
+    shape, strides = x.shape, x.stride()
+    try:
+        dense = _DENSE_STRIDES.get((shape, strides))
+    except TypeError:  # symbolic sizes (torch.compile's fake tensors): computed, not cached
+        dense = _dense_strides(shape, strides)
+    if dense is None:
+        if len(_DENSE_STRIDES) >= MAX_PLANS:
+            _DENSE_STRIDES.clear()
+        dense = _DENSE_STRIDES[(shape, strides)] = _dense_strides(shape, strides)
+    return _backend.new_strided(shape, dense, dtype=dtype, device=x.device)
+
+
+def _dense_strides(shape, strides) -> tuple:
+    """Dense strides with the dims in the memory order of ``strides`` (the last dim innermost)."""
+    lead = sorted(range(len(shape) - 1), key=lambda d: -strides[d])  # stable: ties keep the outer dim first
+    dense = [0] * len(shape)
+    step = 1
+    for d in reversed([*lead, len(shape) - 1]):
+        dense[d] = step
+        step *= shape[d]
+    return tuple(dense)
+
+
+# The strides of _dense_like's result per (shape, strides) of a non-contiguous x: at decoding sizes the host's
+# cost per call is the whole story (q and k arrive as transposed views).
+_DENSE_STRIDES = {}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -304,7 +330,10 @@ def _head_args(x, out, cos, max_block_h):
 
 def _plan(q, k, q_out, k_out, cos, sin, backward: bool):
     """(grid, scalar arguments, constexpr arguments) of the launch, or None for a layout the kernel does not
-    take: more than two token or head dims left after merging neighbours."""
+    take: an input whose last dim is strided, or more than two token or head dims left after merging
+    neighbours."""
+    if any(t is not None and t.stride(-1) != 1 for t in (q, k, cos, sin)):
+        return None
     ref = q if q is not None else k
     n = ref.dim()
     cos, sin = cos[(None,) * (n - cos.dim())], sin[(None,) * (n - sin.dim())]
@@ -334,7 +363,8 @@ def _plan(q, k, q_out, k_out, cos, sin, backward: bool):
         "K_BLOCKS": k_args[3],
         "num_warps": NUM_WARPS,
     }
-    return (outer_tokens * inner_tokens,), (inner_tokens, *token_strides, *q_args[0], *k_args[0]), constexprs
+    scalars = (inner_tokens, *token_strides, *q_args[0], *k_args[0])
+    return Prepared((outer_tokens * inner_tokens,), scalars, **constexprs)
 
 
 # Launch plans depend on the tensors' shapes and strides only: computed once per layout, since the host's
@@ -357,10 +387,9 @@ def _launch_triton(q, k, q_out, k_out, cos, sin, backward: bool) -> bool:
         plan = _PLANS[key] = _plan(q, k, q_out, k_out, cos, sin, backward)
     if plan is None:
         return False
-    grid, scalars, constexprs = plan
     ref = q if q is not None else k
     tensors = [t if t is not None else ref for t in (q, k, q_out, k_out)]
-    launch(_rotary_kernel, grid, (*tensors, cos, sin, *scalars), **constexprs)
+    launch_prepared(_rotary_kernel, (*tensors, cos, sin), plan)
     return True
 
 
@@ -403,12 +432,16 @@ def _rotate_composite(x, cos, sin, dtype, transpose: bool = False) -> torch.Tens
 
 def _rotate(q, k, q_out, k_out, cos, sin, backward: bool) -> None:
     ref = q if q is not None else k
-    if ref.shape[-1] == 0 or all(t is None or t.numel() == 0 for t in (q, k)):
+    if ref.shape[-1] == 0 or ((q is None or q.numel() == 0) and (k is None or k.numel() == 0)):
         return
     if use_triton(ref) and use_triton(cos):
-        inputs = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, cos, sin)]
-        if _launch_triton(*inputs[:2], q_out, k_out, *inputs[2:], backward):
+        if _launch_triton(q, k, q_out, k_out, cos, sin, backward):
             return
+        inputs = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, cos, sin)]
+        # The kernel reads the last dim with unit stride: inputs without one are copied, then planned again.
+        if any(a is not b for a, b in zip(inputs, (q, k, cos, sin))):
+            if _launch_triton(*inputs[:2], q_out, k_out, *inputs[2:], backward):
+                return
     for x, out in ((q, q_out), (k, k_out)):
         if x is not None and x.numel():
             _rotate_torch_into(x, cos, sin, out, backward)
@@ -522,23 +555,27 @@ torch.library.register_autograd(rotary_forward_op, _op_backward, setup_context=_
 # The public function.
 
 
-def _is_functorch(tensors) -> bool:
+def _is_functorch(q, k, cos, sin) -> bool:
     """torch.func's wrapped tensors, or a forward-AD dual level: the composite runs (see _backend)."""
-    return _backend.forward_ad_active() or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return _backend.forward_ad_active() or wrapped(q) or wrapped(k) or wrapped(cos) or wrapped(sin)
 
 
 def liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``: returns ``(q_embed, k_embed)``.
     See the module docstring for the layouts taken and the (deliberate) differences."""
     cos, sin = _check(q, k, cos, sin, unsqueeze_dim)
-    cos_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    grad = torch.is_grad_enabled()
+    cos_grad = grad and (cos.requires_grad or sin.requires_grad)
     if torch.compiler.is_compiling():
         if _backend.exporting() or cos_grad or _backend.forward_ad_active():  # the op has no forward-AD rule
             return _composite(q, k, cos, sin)
         return rotary_forward_op(q, k, cos, sin)
-    if cos_grad or _is_functorch((q, k, cos, sin)):
+    if cos_grad or _is_functorch(q, k, cos, sin):
         return _composite(q, k, cos, sin)
-    return _EagerRotary.apply(q, k, cos, sin)
+    if grad and (q.requires_grad or k.requires_grad):
+        return _EagerRotary.apply(q, k, cos, sin)
+    return rotary_forward(q, k, cos, sin)  # no graph to record (inference, decoding): no Function either
 
 
 # The Hub's function-kernel loaders read these, as for a layer class.
