@@ -1,6 +1,8 @@
 """What SwiGLU and GeGLU share (the machinery in _gated.py): dtypes, layouts, widths, empty inputs, bad
 input, and who may have their buffers overwritten by backward. Every case runs on both backends."""
 
+import inspect
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -86,6 +88,28 @@ def test_bad_input_raises_before_launch(lk, function, case, monkeypatch):
     with pytest.raises(error, match=message) as info:
         call(getattr(lk, function).apply)
     assert function in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["LigerSiLUMulFunction", "LigerGELUMulFunction"])
+def test_public_function_binds_arguments_without_parsing_its_signature(lk, name, monkeypatch):
+    """PyTorch's apply binds each call's arguments through inspect.signature(forward): the Functions carry it
+    precomputed (host cost, issue 15), the very Signature inspect would compute, so every call binds alike."""
+    function = getattr(lk, name)
+    assert function.forward.__signature__ == inspect.Signature.from_callable(function.forward, follow_wrapped=False)
+    parsed = []
+    parse = inspect._signature_from_function  # what inspect.signature does for a function without __signature__
+    monkeypatch.setattr(inspect, "_signature_from_function", lambda *a, **k: parsed.append(a) or parse(*a, **k))
+    assert inspect.signature(lambda x: x) and parsed, "the probe does not see inspect's parsing"
+    parsed.clear()
+    a, b = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    with backend("torch"):
+        if name == "LigerSiLUMulFunction":
+            got, want = function.apply(a, b, 2.0, down_multiplier=0.5), lk.silu_mul(a, b, 2.0, 0.5)
+        else:
+            got, want = function.apply(a, b, approximate="none"), lk.gelu_mul(a, b, "none")
+        got.sum().backward()
+    assert parsed == []
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

@@ -29,6 +29,7 @@ def _checked(a, b, approximate, in_place_backward):
     return activation, _gated.check_flag(in_place_backward, "in_place_backward", OP)
 
 
+@_gated.bind_cheaply
 class LigerGELUMulFunction(torch.autograd.Function):
     """``LigerGELUMulFunction.apply(a, b, approximate="tanh", in_place_backward=False)``.
 

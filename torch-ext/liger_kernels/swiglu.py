@@ -20,6 +20,7 @@ def _checked(a, b, gate_multiplier, down_multiplier, in_place_backward):
     return gate_multiplier, down_multiplier, _gated.check_flag(in_place_backward, "in_place_backward", OP)
 
 
+@_gated.bind_cheaply
 class LigerSiLUMulFunction(torch.autograd.Function):
     """``LigerSiLUMulFunction.apply(a, b, gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False)``.
 
