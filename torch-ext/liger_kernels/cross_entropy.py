@@ -571,8 +571,9 @@ def denominators(target, ce_weight, opts: Options, dtype):
     return torch.stack([weighted, count])
 
 
-def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, rows_shape):
-    """(loss, z_loss, token_accuracy) from the row tensors, reduced as ``opts.reduction`` says."""
+def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, rows_shape, divisors=None):
+    """(loss, z_loss, token_accuracy) from the row tensors, reduced as ``opts.reduction`` says; ``divisors``:
+    ``denominators``' result where the caller has it already."""
     accuracy = None
     kept = target != opts.ignore_index
     if want_accuracy:
@@ -582,7 +583,9 @@ def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bo
     if opts.reduction == "sum":
         loss, z_loss = ce.sum() + z.sum(), z.sum()
     else:
-        weights, count = denominators(target, ce_weight, opts, ce.dtype).unbind()
+        if divisors is None:
+            divisors = denominators(target, ce_weight, opts, ce.dtype)
+        weights, count = divisors.unbind()
         z_loss = z.sum() / count
         loss = ce.sum() / weights + z_loss
     if accuracy is not None:
@@ -590,14 +593,17 @@ def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bo
     return loss, z_loss, accuracy
 
 
-def row_scales(target, ce_weight, opts: Options, dtype, d_loss=None):
-    """The (ce_scale, z_scale) the gradient kernel reads: 1/denominators for "mean", ones for "sum", times
-    the incoming gradient ``d_loss`` (a scalar, or per row for "none") when given."""
+def row_scales(target, ce_weight, opts: Options, dtype, d_loss=None, divisors=None):
+    """The (ce_scale, z_scale) the gradient kernel reads: 1/denominators for "mean" (``divisors`` where the
+    caller has them already), ones for "sum", times the incoming gradient ``d_loss`` (a scalar, or per row for
+    "none") when given."""
     if opts.reduction == "none":
         per_row = d_loss.reshape(-1).to(dtype).contiguous()
         return per_row, per_row
     if opts.reduction == "mean":
-        scales = 1.0 / denominators(target, ce_weight, opts, dtype)
+        if divisors is None:
+            divisors = denominators(target, ce_weight, opts, dtype)
+        scales = torch.reciprocal(divisors)
     else:
         scales = torch.ones(2, dtype=dtype, device=target.device)
     if d_loss is not None:

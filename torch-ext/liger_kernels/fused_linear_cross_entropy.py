@@ -141,20 +141,30 @@ def _prepare(input, weight, target, bias, dtype):
     return x, w, target.reshape(-1).to(torch.int64).contiguous(), b
 
 
+def _rows(start, stop, n_rows, *tensors) -> tuple:
+    """Rows start:stop of each tensor (None stays None); the tensors themselves when that is all of them (one
+    chunk: small inputs, where each slice's dispatch is a measurable share of the call)."""
+    if start == 0 and stop == n_rows:
+        return tensors
+    return tuple(None if t is None else t[start:stop] for t in tensors)
+
+
 def _chunks(x, w, b):
     """(start, stop, logits of rows start:stop) in one buffer reused by every chunk."""
     n_rows, vocab = x.shape[0], w.shape[0]
     if n_rows == 0:
         return
     rows = chunk_rows(n_rows, x.shape[1], vocab, x.dtype, use_triton(x))
-    buffer = _backend.new_tensor((rows, vocab), dtype=x.dtype, device=x.device)
+    buffer = _backend.new_tensor((min(rows, n_rows), vocab), dtype=x.dtype, device=x.device)
+    w_t = w.t()
     for start in range(0, n_rows, rows):
         stop = min(start + rows, n_rows)
-        logits = buffer[: stop - start]
+        logits = buffer if stop - start == buffer.shape[0] else buffer[: stop - start]
+        (x_rows,) = _rows(start, stop, n_rows, x)
         if b is None:
-            torch.mm(x[start:stop], w.t(), out=logits)
+            torch.mm(x_rows, w_t, out=logits)
         else:
-            torch.addmm(b, x[start:stop], w.t(), out=logits)
+            torch.addmm(b, x_rows, w_t, out=logits)
         yield start, stop, logits
 
 
@@ -241,18 +251,21 @@ def forward_core(
     grad_x, grad_w, grad_b = _accumulators(
         x, w, weight.dtype, dtype, accum_dtype, needs if grads_now else (False,) * 3, device
     )
-    scales = _ce.row_scales(t, ce_weight, opts, loss_dtype) if grads_now else None
+    divisors = _ce.denominators(t, ce_weight, opts, loss_dtype) if opts.reduction == "mean" else None
+    scales = _ce.row_scales(t, ce_weight, opts, loss_dtype, divisors=divisors) if grads_now else None
     weight_total = _ce.class_weight_total(ce_weight)
     for start, stop, logits in _chunks(x, w, b):
-        rows_t = t[start:stop]
-        out = (lse[start:stop], ce[start:stop], z[start:stop], None if pred is None else pred[start:stop])
+        rows = _rows(start, stop, n_rows, t, lse, ce, z, pred, x, grad_x)
+        rows_t, out, x_rows, grad_x_rows = rows[0], rows[1:5], rows[5], rows[6]
         if not grads_now:
             _ce.row_stats(logits, rows_t, ce_weight, weight_total, opts, pred is not None, out=out)
         else:
             _ce.row_stats_and_grad(logits, rows_t, ce_weight, weight_total, opts, pred is not None, *scales, out=out)
-            _accumulate(logits, x[start:stop], w, None if grad_x is None else grad_x[start:stop], grad_w, grad_b)
+            _accumulate(logits, x_rows, w, grad_x_rows, grad_w, grad_b)
         del logits  # the chunk buffer goes before the gradients are converted
-    loss, z_loss, accuracy = _ce.reduce_rows(ce, z, pred, t, ce_weight, opts, want_accuracy, target.shape)
+    loss, z_loss, accuracy = _ce.reduce_rows(
+        ce, z, pred, t, ce_weight, opts, want_accuracy, target.shape, divisors=divisors
+    )
     return (
         loss,
         z_loss,
