@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 import liger_kernels as lk
-from timing import back_to_back_ms, copy_bytes_per_s, graph_ms  # noqa: E402  (the suite's shared timings)
+from timing import back_to_back_ms, copy_bytes_per_s, graph_ms, suite_settings  # noqa: E402  (the suite's shared timings)
 
 RMS = sys.modules["liger_kernels.rms_norm"]  # the module (the package's `rms_norm` is the function)
 SHAPES = [(32768, 4096), (8192, 8192)]
@@ -251,6 +251,7 @@ def main():
     parser.add_argument("--out", type=Path, help="JSON file for the rows")
     parser.add_argument("--sweep", action="store_true", help="also time other launch parameters of ours")
     args = parser.parse_args()
+    suite_settings()
     results = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "torch-ext"))
 import liger_kernels as lk  # noqa: E402
-from timing import back_to_back_ms, copy_bytes_per_s, graph_ms, sync  # noqa: E402  (CUDA-graph replay timing, shared by the suite)
+from timing import back_to_back_ms, copy_bytes_per_s, graph_ms, suite_settings, sync  # noqa: E402  (CUDA-graph replay timing, shared by the suite)
 
 SHAPE = {"batch": 1, "seq": 32768, "n_q": 32, "n_k": 8, "dim": 128}
 HOST_SHAPE = {"batch": 1, "seq": 16, "n_q": 4, "n_k": 2, "dim": 64}
@@ -239,6 +239,7 @@ def main():
     parser.add_argument("--seq", type=int, default=SHAPE["seq"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the code")
     args = parser.parse_args()
+    suite_settings()
     shape = dict(SHAPE, seq=args.seq)
     if args.device == "cpu":
         shape = dict(HOST_SHAPE, seq=args.seq if args.seq != SHAPE["seq"] else 64)

@@ -37,6 +37,9 @@ def suite_settings() -> None:
     """Room for every torch.compile variant: the suite compiles one eager function per op and runs it at several
     shapes, with and without grad; past dynamo's default of 8 recompiles a function would silently run eager."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # The suite times a backward many times over one retained graph; a compiled backward that donates its saved
+    # buffers refuses that (RuntimeError on retain_graph), which cost the RMSNorm section its torch.compile rows.
+    torch._functorch.config.donated_buffer = False
 
 
 def quick_mode() -> None:
