@@ -68,6 +68,24 @@ REFERENCES = {
 }
 
 
+def test_compiled_public_function_keyword_that_skips_an_optional_argument_is_refused_by_name(lk):
+    """README Limits: dynamo maps apply's keywords to positions without the defaults, so a keyword that skips an
+    optional argument fails there, naming the argument; the forms the README gives instead compile and agree."""
+    a = torch.randn(4, 40, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 40, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    skipping = torch.compile(lambda a, b: lk.LigerSiLUMulFunction.apply(a, b, down_multiplier=2.0), backend="aot_eager")
+    with pytest.raises(Exception, match="gate_multiplier"):
+        skipping(a, b)
+    want = lk.LigerSiLUMulFunction.apply(a, b, down_multiplier=2.0)  # eager binds the defaults
+    for form in (
+        lambda a, b: lk.LigerSiLUMulFunction.apply(a, b, 1.0, 2.0),
+        lambda a, b: lk.silu_mul(a, b, down_multiplier=2.0),
+    ):
+        torch._dynamo.reset()
+        assert torch.allclose(torch.compile(form, backend="aot_eager", fullgraph=True)(a, b), want, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("call", sorted(PUBLIC_FUNCTION_CALLS))
 def test_public_functions_compile_in_one_graph_with_their_defaults(lk, call):
     """torch.compile hands setup_context only the arguments the call gave (eager apply binds the defaults):
