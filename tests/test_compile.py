@@ -86,6 +86,21 @@ def test_compiled_public_function_keyword_that_skips_an_optional_argument_is_ref
         assert torch.allclose(torch.compile(form, backend="aot_eager", fullgraph=True)(a, b), want, rtol=1e-12, atol=0)
 
 
+def test_compiled_public_function_without_grad_is_exact_and_one_graph_with_every_argument(lk):
+    """README Limits: on inputs that need no gradient, dynamo hands a setup_context-style Function its ctx as the
+    first argument when the call leaves defaults out (a graph break, results exact); every argument given, the
+    call is one graph."""
+    a, b = torch.randn(4, 40, dtype=torch.float64), torch.randn(4, 40, dtype=torch.float64)
+    want = lk.silu_mul(a, b)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(lambda a, b: lk.LigerSiLUMulFunction.apply(a, b), backend="aot_eager")(a, b), want)
+    torch._dynamo.reset()
+    every = torch.compile(
+        lambda a, b: lk.LigerSiLUMulFunction.apply(a, b, 1.0, 1.0, False), backend="aot_eager", fullgraph=True
+    )
+    assert torch.equal(every(a, b), want)
+
+
 @pytest.mark.parametrize("call", sorted(PUBLIC_FUNCTION_CALLS))
 def test_public_functions_compile_in_one_graph_with_their_defaults(lk, call):
     """torch.compile hands setup_context only the arguments the call gave (eager apply binds the defaults):

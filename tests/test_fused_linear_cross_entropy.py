@@ -630,3 +630,29 @@ def test_vmap_is_a_clear_error(lk):
     got = f(w, x[0], t[0])
     want = torch.func.grad(lambda w_: torch.nn.functional.cross_entropy(x[0] @ w_.T, t[0]))(w)
     assert rel_err(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_public_function_while_tracing_takes_the_composite_with_its_gradients(lk, reduction, monkeypatch):
+    """Under torch.export or torch.jit.trace (``_backend.exporting()``) the public Function computes with aten
+    ops only; its backward differentiates that composite: loss and gradients as on the usual path."""
+    torch.manual_seed(3)
+    x = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(24, 16, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(24, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 24, (6,))
+    target[1] = -100
+
+    def run():
+        function = lk.LigerFusedLinearCrossEntropyFunction
+        loss = function.apply(x, weight, target, bias, None, -100, 1e-3, 0.1, reduction)[0]
+        d_loss = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype).reshape(loss.shape)
+        return (loss, *torch.autograd.grad(loss, (x, weight, bias), d_loss))
+
+    want = run()
+    monkeypatch.setattr(lk._backend, "exporting", lambda: True)
+    module = sys.modules[f"{lk.__name__}.fused_linear_cross_entropy"]
+    monkeypatch.setattr(module, "_forward", lambda *args: pytest.fail("the chunked path ran while tracing"))
+    got = run()
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-12

@@ -121,10 +121,12 @@ def forward_ad_active() -> bool:
 
 
 def exporting() -> bool:
-    """Whether torch.export is tracing the call (strict or not), where every op takes its aten-only form.
+    """Whether the call is being traced into a program of aten ops: torch.export (strict or not) or
+    torch.jit.trace. Every op then takes its aten-only form: a Triton launch is no aten op, and a trace would
+    record only the empty output it writes into.
 
     Not ``torch.compiler.is_exporting()``: before torch 2.14, dynamo folds that call to True under plain
     torch.compile as well, which would send every compiled call down the export path (the PyTorch
     composites, fused by inductor with other roundings, and an untiled MLP). The flag export sets around
     its tracing is read instead; under torch.compile it is False."""
-    return torch.compiler._is_exporting_flag
+    return torch.compiler._is_exporting_flag or torch.jit.is_tracing()  # dynamo folds is_tracing() to False

@@ -307,8 +307,9 @@ def gated_recompute_backward(d_out, gate, up, activation) -> torch.Tensor:
 
 
 def function_forward(gate, up, activation, gate_multiplier, down_multiplier) -> torch.Tensor:
-    """The public Functions' forward: the kernels, or the composite for tensors a torch.func transform wraps."""
-    if transforms_active(gate, up):
+    """The public Functions' forward: the kernels, or the composite for tensors a torch.func transform wraps
+    and for torch.export and torch.jit.trace (``_backend.exporting``)."""
+    if _backend.exporting() or transforms_active(gate, up):
         return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
 

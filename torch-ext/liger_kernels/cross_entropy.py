@@ -736,7 +736,9 @@ def apply_rows(logits, target, ce_weight, opts: Options, want_pred: bool):
     if torch.compiler.is_compiling() and not (_backend.exporting() or _backend.forward_ad_active()):
         ce, z, pred, _ = _rows_op(logits, target, ce_weight, *opts, want_pred)
         return ce, z, pred if want_pred else None
-    if torch.compiler.is_compiling() or is_functorch(logits) or _backend.forward_ad_active():  # export, torch.func
+    if (  # export (compiling), torch.jit.trace, torch.func, forward AD
+        torch.compiler.is_compiling() or _backend.exporting() or is_functorch(logits) or _backend.forward_ad_active()
+    ):
         _, ce, z, pred = rows_torch(logits, target, ce_weight, opts, want_pred)
         return ce, z, pred
     return _EagerRows.apply(logits, target, ce_weight, opts, want_pred)

@@ -416,9 +416,15 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
             return_predicted_tokens,
             op="LigerFusedLinearCrossEntropyFunction",
         )
-        loss, z_loss, accuracy, pred = _forward(
-            ctx, _input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, flags[2], flags[1]
-        )
+        if _backend.exporting():  # torch.export, torch.jit.trace: aten ops only (the full logits), as the function
+            ctx.save_for_backward(_input, weight, bias, target, ce_weight)
+            ctx.composite = (opts, flags)
+            loss, z_loss, accuracy, pred = composite(_input, weight, target, bias, ce_weight, opts, flags[2], flags[1])
+        else:
+            ctx.composite = None
+            loss, z_loss, accuracy, pred = _forward(
+                ctx, _input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, flags[2], flags[1]
+            )
         extras = (
             z_loss if flags[0] else None,
             accuracy if flags[1] else None,
@@ -429,8 +435,24 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_loss, *unused):
-        grad_input, grad_weight, grad_bias = _backward(ctx, d_loss)
+        if ctx.composite is not None:
+            grad_input, grad_weight, grad_bias = _composite_backward(ctx, d_loss)
+        else:
+            grad_input, grad_weight, grad_bias = _backward(ctx, d_loss)
         return (grad_input, grad_weight, None, grad_bias) + (None,) * 11
+
+
+def _composite_backward(ctx, d_loss):
+    """The public Function's backward after a traced forward: the composite again, differentiated."""
+    input, weight, bias, target, ce_weight = ctx.saved_tensors
+    opts, flags = ctx.composite
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+    leaves = [None if t is None else t.detach().requires_grad_(n) for t, n in zip((input, weight, bias), needs)]
+    with torch.enable_grad():
+        loss = composite(leaves[0], leaves[1], target, leaves[2], ce_weight, opts, flags[2], flags[1])[0]
+    wanted = [t for t, n in zip(leaves, needs) if n]
+    grads = iter(torch.autograd.grad(loss, wanted, d_loss) if wanted else ())
+    return tuple(next(grads) if n else None for n in needs)
 
 
 # torch.compile: the forward (with the gradients for "mean"/"sum") and the "none" backward as torch.library

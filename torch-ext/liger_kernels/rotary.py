@@ -555,10 +555,13 @@ torch.library.register_autograd(rotary_forward_op, _op_backward, setup_context=_
 # The public function.
 
 
-def _is_functorch(q, k, cos, sin) -> bool:
-    """torch.func's wrapped tensors, or a forward-AD dual level: the composite runs (see _backend)."""
+def _needs_composite(q, k, cos, sin) -> bool:
+    """torch.func's wrapped tensors, a forward-AD dual level, or a torch.jit.trace: the composite runs (see
+    _backend)."""
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return _backend.forward_ad_active() or wrapped(q) or wrapped(k) or wrapped(cos) or wrapped(sin)
+    return (
+        _backend.forward_ad_active() or _backend.exporting() or wrapped(q) or wrapped(k) or wrapped(cos) or wrapped(sin)
+    )
 
 
 def liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -571,7 +574,7 @@ def liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if _backend.exporting() or cos_grad or _backend.forward_ad_active():  # the op has no forward-AD rule
             return _composite(q, k, cos, sin)
         return rotary_forward_op(q, k, cos, sin)
-    if cos_grad or _is_functorch(q, k, cos, sin):
+    if cos_grad or _needs_composite(q, k, cos, sin):
         return _composite(q, k, cos, sin)
     if grad and (q.requires_grad or k.requires_grad):
         return _EagerRotary.apply(q, k, cos, sin)
