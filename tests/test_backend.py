@@ -253,6 +253,32 @@ def test_export_holds_aten_ops_only(lk, op, strict):
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("op", ["LigerSiLUMulFunction", "LigerRMSNormFunction"])
+def test_export_of_a_public_function_with_a_parameter(lk, op, strict, name):
+    """A module holding a Parameter: export traces the Function's backward too, which must take the composite
+    as its forward does (a kernel launch inside dynamo's trace fails)."""
+    skip_unless_runnable(name)
+    fn, args = _op_calls(lk)[op]
+    args = tuple(a.detach() for a in args)
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.param = torch.nn.Parameter(args[1].clone())
+
+        def forward(self, x):
+            return fn(x, self.param)
+
+    module = Module()
+    with backend(name):
+        torch._dynamo.reset()
+        program = torch.export.export(module, args[:1], strict=strict)
+        assert not _package_targets(lk, program.graph)
+        assert torch.allclose(program.module()(args[0]), fn(*args), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
 @pytest.mark.parametrize("op", [*OPS_UNDER_TEST, *PUBLIC_FUNCTIONS])
 def test_jit_trace_records_the_computation(lk, op, name):
     """torch.jit.trace records aten ops only: a kernel launch would leave the traced program returning the output

@@ -656,3 +656,50 @@ def test_public_function_while_tracing_takes_the_composite_with_its_gradients(lk
     got = run()
     for g, w in zip(got, want):
         assert rel_err(g, w) < 1e-12
+
+
+def test_public_function_while_tracing_refuses_double_backward_and_replays_autocast(lk, monkeypatch):
+    """The traced form's backward behaves as the usual one: create_graph=True raises the same error, and the
+    recompute runs under the forward's autocast (a bf16 GEMM on fp32 inputs), not outside it."""
+    monkeypatch.setattr(lk._backend, "exporting", lambda: True)
+    torch.manual_seed(4)
+    x = torch.randn(6, 16, requires_grad=True)
+    weight = torch.randn(24, 16, requires_grad=True)
+    target = torch.randint(0, 24, (6,))
+    loss = lk.LigerFusedLinearCrossEntropyFunction.apply(x, weight, target)[0]
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, (x, weight), create_graph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = lk.LigerFusedLinearCrossEntropyFunction.apply(x.bfloat16(), weight, target)[0]
+    grads = torch.autograd.grad(loss, (x, weight))
+    logits = (x.detach().bfloat16().float() @ weight.detach().bfloat16().float().T).requires_grad_()
+    want = torch.autograd.grad(F.cross_entropy(logits, target), logits)[0]
+    assert rel_err(grads[1], want.T @ x.detach().bfloat16().float()) < 2e-2
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_public_function_exports_with_a_trainable_head(lk, strict):
+    """README Limits: non-strict export of the public Function with a trainable head holds aten ops only; strict
+    export traces its backward, which replays the forward's autocast and differentiates the composite with
+    autograd.grad: dynamo refuses both."""
+    head = torch.nn.Linear(16, 24)
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = head
+
+        def forward(self, x, target):
+            function = lk.LigerFusedLinearCrossEntropyFunction
+            return function.apply(x, self.head.weight, target, self.head.bias)[0]
+
+    x, target = torch.randn(6, 16), torch.randint(0, 24, (6,))
+    torch._dynamo.reset()
+    if strict:
+        with pytest.raises(Exception, match="_composite_backward"):
+            torch.export.export(Module(), (x, target), strict=True)
+        return
+    program = torch.export.export(Module(), (x, target), strict=False)
+    assert not any(lk.__name__ in str(n.target) for n in program.graph.nodes if n.op == "call_function")
+    want = F.cross_entropy(F.linear(x, head.weight, head.bias), target)
+    assert torch.allclose(program.module()(x, target), want, rtol=1e-5, atol=1e-6)

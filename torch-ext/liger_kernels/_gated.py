@@ -374,7 +374,7 @@ def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplie
 def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     gate, up = ctx.saved_tensors
     args = (ctx.activation, ctx.gate_multiplier, ctx.down_multiplier)
-    if torch.is_grad_enabled() or transforms_active(d_out, gate, up):
+    if torch.is_grad_enabled() or _backend.exporting() or transforms_active(d_out, gate, up):
         d_gate, d_up = _backward_torch(d_out, gate, up, *args, differentiable=torch.is_grad_enabled())
     else:
         d_gate, d_up = gated_backward(d_out, gate, up, *args, ctx.in_place and not graph_is_retained())

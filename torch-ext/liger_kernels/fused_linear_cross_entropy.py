@@ -33,7 +33,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from . import _backend
+from . import _backend, _replay
 from . import cross_entropy as _ce
 from ._backend import use_triton
 from .cross_entropy import CrossEntropyOutput, Options
@@ -418,7 +418,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
         )
         if _backend.exporting():  # torch.export, torch.jit.trace: aten ops only (the full logits), as the function
             ctx.save_for_backward(_input, weight, bias, target, ce_weight)
-            ctx.composite = (opts, flags)
+            ctx.composite = (opts, flags, _replay.autocast_state(_input.device.type))
             loss, z_loss, accuracy, pred = composite(_input, weight, target, bias, ce_weight, opts, flags[2], flags[1])
         else:
             ctx.composite = None
@@ -444,11 +444,13 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
 
 def _composite_backward(ctx, d_loss):
     """The public Function's backward after a traced forward: the composite again, differentiated."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(DOUBLE_BACKWARD)  # as on the usual path
     input, weight, bias, target, ce_weight = ctx.saved_tensors
-    opts, flags = ctx.composite
+    opts, flags, autocast = ctx.composite
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
     leaves = [None if t is None else t.detach().requires_grad_(n) for t, n in zip((input, weight, bias), needs)]
-    with torch.enable_grad():
+    with torch.enable_grad(), _replay.replay_autocast(autocast):  # the forward's autocast, as it computed
         loss = composite(leaves[0], leaves[1], target, leaves[2], ce_weight, opts, flags[2], flags[1])[0]
     wanted = [t for t, n in zip(leaves, needs) if n]
     grads = iter(torch.autograd.grad(loss, wanted, d_loss) if wanted else ())
