@@ -181,3 +181,38 @@ def test_dynamic_compile_with_float_attributes(lk, op):
     got_grads = torch.autograd.grad(got.sum(), (x, *module.parameters()))
     for g, w in zip((got, *got_grads), (want, *want_grads)):
         assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_public_fused_linear_cross_entropy_function_compiles_in_one_graph(lk, reduction):
+    """LigerFusedLinearCrossEntropyFunction under torch.compile runs the package's op (the chunked loop's
+    buffer reuse and in-place scaling were a graph break, an error with fullgraph=True): equal to eager,
+    gradients included."""
+    torch.manual_seed(5)
+    x = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(24, 16, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(24, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 24, (6,))
+    target[2] = -100
+
+    def loss_of(x, weight, bias):
+        function = lk.LigerFusedLinearCrossEntropyFunction
+        return function.apply(x, weight, target, bias, None, -100, 1e-3, 0.1, reduction, None, True)
+
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    got = torch.compile(loss_of, backend=recording, fullgraph=True)(x, weight, bias)
+    want = loss_of(x, weight, bias)
+    modules = [m for g in graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)]  # the Function's
+    assert any(lk.__name__ in str(n.target) for m in modules for n in m.graph.nodes)  # forward is a subgraph
+    d_loss = torch.linspace(0.5, 1.5, want[0].numel(), dtype=torch.float64).reshape(want[0].shape)
+    for g, w in zip(
+        torch.autograd.grad(got[0], (x, weight, bias), d_loss), torch.autograd.grad(want[0], (x, weight, bias), d_loss)
+    ):
+        assert torch.allclose(g, w, rtol=1e-10, atol=1e-14)
+    assert torch.allclose(got[0], want[0], rtol=1e-12, atol=0) and torch.allclose(got[1], want[1], rtol=1e-12, atol=0)

@@ -416,12 +416,21 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
             return_predicted_tokens,
             op="LigerFusedLinearCrossEntropyFunction",
         )
+        ctx.composite = ctx.compiled = None
         if _backend.exporting():  # torch.export, torch.jit.trace: aten ops only (the full logits), as the function
             ctx.save_for_backward(_input, weight, bias, target, ce_weight)
             ctx.composite = (opts, flags, _replay.autocast_state(_input.device.type))
             loss, z_loss, accuracy, pred = composite(_input, weight, target, bias, ce_weight, opts, flags[2], flags[1])
+        elif torch.compiler.is_compiling():  # one opaque torch.library op, as the function under torch.compile
+            needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+            scalars = (*opts, dtype, accum_dtype, flags[2], flags[1], *needs)
+            loss, z_loss, accuracy, pred, lse, *grads = _forward_op(_input, weight, target, bias, ce_weight, *scalars)
+            if opts.reduction == "none":
+                ctx.save_for_backward(_input, weight, target, bias, ce_weight, lse)
+            else:
+                ctx.save_for_backward(*grads)
+            ctx.compiled = (_backward_op_scalars(scalars), opts.reduction, needs)
         else:
-            ctx.composite = None
             loss, z_loss, accuracy, pred = _forward(
                 ctx, _input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, flags[2], flags[1]
             )
@@ -437,6 +446,8 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, d_loss, *unused):
         if ctx.composite is not None:
             grad_input, grad_weight, grad_bias = _composite_backward(ctx, d_loss)
+        elif ctx.compiled is not None:
+            grad_input, grad_weight, grad_bias = _op_grads(ctx.saved_tensors, d_loss, *ctx.compiled)
         else:
             grad_input, grad_weight, grad_bias = _backward(ctx, d_loss)
         return (grad_input, grad_weight, None, grad_bias) + (None,) * 11
@@ -596,9 +607,14 @@ def _(d_loss, input, weight, target, bias, ce_weight, lse, *args):
     )
 
 
+def _backward_op_scalars(scalars) -> tuple:
+    """The forward op's scalar arguments the "none" backward op takes: all but want_pred, want_accuracy."""
+    return tuple(scalars[:8]) + tuple(scalars[-3:])
+
+
 def _op_setup_context(ctx, inputs, output):
     input, weight, target, bias, ce_weight, *scalars = inputs
-    ctx.scalars = scalars[:8] + scalars[-3:]  # the backward op's: all but want_pred, want_accuracy
+    ctx.scalars = _backward_op_scalars(scalars)
     ctx.reduction = scalars[3]
     ctx.needs = scalars[-3:]
     if ctx.reduction == "none":
@@ -607,13 +623,19 @@ def _op_setup_context(ctx, inputs, output):
         ctx.save_for_backward(*output[5:])
 
 
-def _op_backward(ctx, d_loss, *unused):
-    if ctx.reduction == "none":
-        input, weight, target, bias, ce_weight, lse = ctx.saved_tensors
-        grads = _backward_rows_op(d_loss, input, weight, target, bias, ce_weight, lse, *ctx.scalars)
+def _op_grads(saved, d_loss, scalars, reduction, needs) -> tuple:
+    """(grad_input, grad_weight, grad_bias) from what the forward op's caller saved: the inputs and lse for
+    "none" (the backward op recomputes), else the gradients the forward op computed, scaled."""
+    if reduction == "none":
+        input, weight, target, bias, ce_weight, lse = saved
+        grads = _backward_rows_op(d_loss, input, weight, target, bias, ce_weight, lse, *scalars)
     else:  # out of place: the compiler plans the buffers
-        grads = [g * d_loss for g in ctx.saved_tensors]
-    grads = [g if need else None for g, need in zip(grads, ctx.needs)]
+        grads = [g * d_loss for g in saved]
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
+def _op_backward(ctx, d_loss, *unused):
+    grads = _op_grads(ctx.saved_tensors, d_loss, ctx.scalars, ctx.reduction, ctx.needs)
     return (grads[0], grads[1], None, grads[2]) + (None,) * 14
 
 
