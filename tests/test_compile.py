@@ -8,6 +8,7 @@ import pytest
 import torch
 from kernels import Mode, kernelize, use_kernel_mapping
 
+from harness import make_inputs
 from test_kernelize import MLP_LAYERS, MODELS, loss_and_grads, mlp_layers
 from test_layers import gemma_mlp, llama_mlp
 
@@ -188,12 +189,7 @@ def test_public_fused_linear_cross_entropy_function_compiles_in_one_graph(lk, re
     """LigerFusedLinearCrossEntropyFunction under torch.compile runs the package's op (the chunked loop's
     buffer reuse and in-place scaling were a graph break, an error with fullgraph=True): equal to eager,
     gradients included."""
-    torch.manual_seed(5)
-    x = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(24, 16, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(24, dtype=torch.float64, requires_grad=True)
-    target = torch.randint(0, 24, (6,))
-    target[2] = -100
+    x, weight, bias, target, _, _ = make_inputs(6, 16, 24, torch.float64, case="bias", seed=5)
 
     def loss_of(x, weight, bias):
         function = lk.LigerFusedLinearCrossEntropyFunction

@@ -636,12 +636,7 @@ def test_vmap_is_a_clear_error(lk):
 def test_public_function_while_tracing_takes_the_composite_with_its_gradients(lk, reduction, monkeypatch):
     """Under torch.export or torch.jit.trace (``_backend.exporting()``) the public Function computes with aten
     ops only; its backward differentiates that composite: loss and gradients as on the usual path."""
-    torch.manual_seed(3)
-    x = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(24, 16, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(24, dtype=torch.float64, requires_grad=True)
-    target = torch.randint(0, 24, (6,))
-    target[1] = -100
+    x, weight, bias, target, _, _ = make_inputs(6, 16, 24, torch.float64, case="bias", seed=3)
 
     def run():
         function = lk.LigerFusedLinearCrossEntropyFunction
