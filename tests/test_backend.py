@@ -169,13 +169,14 @@ def test_host_work_per_call_stays_within_its_budget(lk, name, monkeypatch):
 OPS_UNDER_TEST = ["rms_norm", "rotary", "silu_mul", "fused_linear_cross_entropy", "cross_entropy"]
 
 
-def _op_calls(lk):
-    x = torch.randn(6, 32, requires_grad=True)
-    weight = torch.randn(32, requires_grad=True)
-    q, k = torch.randn(1, 2, 3, 8, requires_grad=True), torch.randn(1, 1, 3, 8, requires_grad=True)
-    cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
-    head = torch.randn(40, 32, requires_grad=True)
-    target = torch.randint(0, 40, (6,))
+def _op_calls(lk, device="cpu"):
+    x = torch.randn(6, 32, device=device, requires_grad=True)
+    weight = torch.randn(32, device=device, requires_grad=True)
+    q = torch.randn(1, 2, 3, 8, device=device, requires_grad=True)
+    k = torch.randn(1, 1, 3, 8, device=device, requires_grad=True)
+    cos, sin = torch.randn(1, 3, 8, device=device), torch.randn(1, 3, 8, device=device)
+    head = torch.randn(40, 32, device=device, requires_grad=True)
+    target = torch.randint(0, 40, (6,), device=device)
     return {
         "rms_norm": (lambda x, w: lk.rms_norm(x, w, 1e-6), (x, weight)),
         "rotary": (lambda q, k: lk.liger_rotary_pos_emb(q, k, cos, sin), (q, k)),
@@ -250,6 +251,22 @@ def test_export_holds_aten_ops_only(lk, op, strict):
     ):
         if isinstance(want, torch.Tensor) and want.is_floating_point():
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", [*OPS_UNDER_TEST, *PUBLIC_FUNCTIONS])
+def test_meta_tensors_give_the_shapes_of_a_real_call(lk, op):
+    """Meta tensors (shape inference, models built on the meta device): every op, forward and backward, gives
+    what a real call's shapes and dtypes would be, or fails loudly; it never touches data."""
+    fn, args = _op_calls(lk)[op]
+    real = torch.utils._pytree.tree_leaves(fn(*args))
+    fn, meta_args = _op_calls(lk, "meta")[op]
+    meta = torch.utils._pytree.tree_leaves(fn(*meta_args))
+    assert [(t.shape, t.dtype) for t in meta] == [(t.shape, t.dtype) for t in real]
+    assert all(t.device.type == "meta" for t in meta)
+    inputs = [a for a in meta_args if a.requires_grad]
+    grads = torch.autograd.grad(sum(t.sum() for t in meta if t.requires_grad), inputs)
+    assert [g.shape for g in grads] == [a.shape for a in inputs]
+    assert all(g.device.type == "meta" for g in grads)
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])

@@ -88,7 +88,7 @@ def _validate(
         raise ValueError(
             f"{op}: `input` and `weight` must be on the same device, got {input.device} and {weight.device}"
         )
-    autocast = torch.is_autocast_enabled(input.device.type)
+    autocast = _replay.autocast_enabled(input.device.type)  # False on devices without autocast (meta)
     dtype = torch.get_autocast_dtype(input.device.type) if autocast else input.dtype
     if not autocast and weight.dtype != input.dtype:
         raise TypeError(f"{op}: `input` and `weight` must have the same dtype, got {input.dtype} and {weight.dtype}")
