@@ -212,3 +212,25 @@ def test_public_fused_linear_cross_entropy_function_compiles_in_one_graph(lk, re
     ):
         assert torch.allclose(g, w, rtol=1e-10, atol=1e-14)
     assert torch.allclose(got[0], want[0], rtol=1e-12, atol=0) and torch.allclose(got[1], want[1], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("form", ["function", "functional"])
+def test_double_backward_through_the_fused_loss_is_refused_eagerly_and_unused_compiled(lk, form):
+    """README Limits: the fused losses compute their gradients in forward. Eager refuses create_graph=True; a
+    compiled backward cannot, and its gradient is not connected to the inputs (autograd says so when asked)."""
+    x, weight, _, target, _, _ = make_inputs(6, 16, 24, torch.float64, seed=6)
+    if form == "function":
+
+        def loss_of(x, weight):
+            return lk.LigerFusedLinearCrossEntropyFunction.apply(x, weight, target)[0]
+    else:
+
+        def loss_of(x, weight):
+            return lk.liger_fused_linear_cross_entropy(x, weight, target)
+
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss_of(x, weight), x, create_graph=True)
+    torch._dynamo.reset()
+    (d_x,) = torch.autograd.grad(torch.compile(loss_of, backend="aot_eager")(x, weight), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(d_x.square().sum(), x)
