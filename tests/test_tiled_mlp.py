@@ -523,6 +523,100 @@ def test_activation_checkpointing_around_a_decoder_layer(lk, use_reentrant):
         assert (got - want).abs().max().item() < 1e-12
 
 
+class _Spy:
+    """Counts the calls of ``module.name`` (and keeps their arguments) while the test runs."""
+
+    def __init__(self, monkeypatch, module, name):
+        self.calls, original = [], getattr(module, name)
+
+        def spy(*args, **kwargs):
+            self.calls.append(args)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+
+
+def _checkpointed_grads(lk, module, norm, x, d_out, tail, tiled=True, early_stop=True, retain=False):
+    """Gradients of x and of every parameter (norm's, then the MLP's) after a backward through
+    ``tail(h, mlp(norm(h)))``: checkpointed (non-reentrant) with the tiled MLP, or plain with the module."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    leaf = x.detach().requires_grad_(x.requires_grad)
+    for p in [*norm.parameters(), *module.parameters()]:
+        p.grad = None
+
+    def region(h):
+        return tail(h, lk.LigerTiledSwiGLUMLP.forward(module, norm(h)) if tiled else module(norm(h)))
+
+    with set_checkpoint_early_stop(early_stop):
+        out = checkpoint(region, leaf, use_reentrant=False) if tiled else region(leaf)
+        out.backward(d_out, retain_graph=retain)
+        if retain:
+            out.backward(d_out)
+    return [leaf.grad] + [p.grad for p in [*norm.parameters(), *module.parameters()]]
+
+
+def _residual(h, mlp_out):
+    return h + mlp_out  # saves nothing for backward, as in a decoder layer
+
+
+def _squared(h, mlp_out):
+    return h + mlp_out * mlp_out  # saves the MLP's output: the recompute must produce it
+
+
+@pytest.mark.parametrize("tail", [_residual, _squared], ids=["MLP last", "MLP output saved after it"])
+@pytest.mark.parametrize("fast", [True, False], ids=["gated fast path", "generic recompute"])
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early stop", "full recompute"])
+def test_checkpoint_recompute_stops_before_the_tiled_forward(lk, monkeypatch, tail, fast, early_stop):
+    """Under non-reentrant checkpointing with the MLP last in the region (a decoder layer), the region's
+    recompute stops once the tiled call's inputs are saved again: the tiled forward runs once per step, where
+    the recompute used to run it again in full for an output nothing reads. Where something after the MLP
+    saves its output, or early stop is off, the recompute runs it again. The gradients equal the plain
+    layer's in float64 throughout, also for a second backward (retain_graph)."""
+    torch.manual_seed(0)
+    module, norm = GatedMLP(H, 160).double(), torch.nn.LayerNorm(H).double()
+    torch.nn.init.normal_(norm.weight)
+    gated = _Spy(monkeypatch, lk.tiled_mlp, "gated_mlp_forward")
+    # The generic path calls fn(module, shard) per shard. (A replaced projection forward alone turns the fast
+    # path off, as it must: the fast path would not call it.)
+    calls = _Spy(monkeypatch, module.gate_proj, "forward") if not fast else types.SimpleNamespace(calls=[])
+    x = torch.randn(2, 4 * H, H, dtype=torch.float64, requires_grad=True)
+    d_out = torch.randn_like(x)
+    shards = lk._tiling.auto_num_shards(x, 160)
+    assert shards > 1
+
+    for retain in (False, True):
+        gated.calls.clear()
+        calls.calls.clear()
+        got = _checkpointed_grads(lk, module, norm, x, d_out, tail, early_stop=early_stop, retain=retain)
+        runs = 1 + (1 + retain) * (tail is _squared or not early_stop)  # tiled forwards: step + recomputes
+        if fast:
+            assert (len(gated.calls), len(calls.calls)) == (runs, 0)
+        else:  # fn per shard in each forward, and again in each backward's recompute of the shards
+            assert (len(gated.calls), len(calls.calls)) == (0, shards * (runs + 1 + retain))
+        want = _checkpointed_grads(lk, module, norm, x, d_out, tail, tiled=False, retain=retain)
+        calls.calls.clear()
+        for g, w in zip(got, want, strict=True):
+            assert (g - w).abs().max().item() < 1e-12
+
+
+def test_checkpoint_early_stop_input_without_grad(lk, monkeypatch):
+    """x that needs no gradient (frozen layers below) with trainable MLP weights: the saving node still
+    exists (for the weights), and the tiled backward computes no d_x for it."""
+    torch.manual_seed(0)
+    module, norm = GatedMLP(H, 160).double(), torch.nn.LayerNorm(H).double()
+    norm.requires_grad_(False)
+    backward = _Spy(monkeypatch, lk.tiled_mlp, "gated_mlp_backward")
+    x = torch.randn(2, 4 * H, H, dtype=torch.float64)
+    d_out = torch.randn_like(x)
+    got = _checkpointed_grads(lk, module, norm, x, d_out, _residual)
+    want = _checkpointed_grads(lk, module, norm, x, d_out, _residual, tiled=False)
+    assert got[0] is None and want[0] is None
+    assert [args[-1] for args in backward.calls] == [False]  # want_x
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert (g is None and w is None) or (g - w).abs().max().item() < 1e-12
+
+
 @pytest.mark.parametrize(
     "tokens, hidden, intermediate, num_shards, pays",
     [
