@@ -50,6 +50,7 @@ def tiny_shards(request, monkeypatch):
     if "lk" in request.fixturenames and "shard_policy" not in request.keywords:
         monkeypatch.setattr(request.getfixturevalue("lk")._tiling, "MIN_SHARD_TOKENS", 1)
         monkeypatch.setattr(request.getfixturevalue("lk")._tiling, "MIN_SHARD_WORK", 0)
+        monkeypatch.setattr(request.getfixturevalue("lk")._tiling, "MIN_BLOCK_COLUMNS", 1)
     yield
 
 

@@ -20,6 +20,7 @@ def _package(variant_root):
     lk = kernels.get_local_kernel(Path(variant_root))
     lk._tiling.MIN_SHARD_TOKENS = 1
     lk._tiling.MIN_SHARD_WORK = 0
+    lk._tiling.MIN_BLOCK_COLUMNS = 1
     return lk
 
 

@@ -3,6 +3,7 @@ path, autocast and dropout replay, precision in bf16, saved memory, and misuse t
 
 import contextlib
 import copy
+import math
 import types
 
 import pytest
@@ -421,6 +422,71 @@ def test_bf16_fast_path_weight_gradients_within_the_contract(lk, num_shards, mon
         assert rel_err(t, w) <= 1.5 * rel_err(u, w)
 
 
+@pytest.mark.parametrize("automatic_shards", [4, 8, 7], ids=["2 shards x 2 blocks", "4 x 2", "4 x 2 (7)"])
+def test_bf16_column_blocks_within_the_contract(lk, monkeypatch, automatic_shards):
+    """The automatic count split into half as many shards of two column blocks of I: weight gradients within
+    1.5x the untiled bf16 error against float64, summed in bf16 over 2 token shards and in fp32 over 4; d_x,
+    whose blocks' four products add in bf16, within 1.5x the untiled error too."""
+    monkeypatch.setattr(lk._tiling, "auto_num_shards", lambda x, intermediate=None: automatic_shards)
+    blocked = _Spy(monkeypatch, lk._tiled_gated, "_blocked_backward")
+    torch.manual_seed(0)
+    host64 = GatedMLP(H, 128, bias=True).double()
+    host = copy.deepcopy(host64).bfloat16()
+    x = torch.randn(1, 4096, H, dtype=torch.float64, requires_grad=True)
+    d_out = torch.randn(1, 4096, H, dtype=torch.float64)
+    want = torch.autograd.grad(host64(x), [x, *host64.parameters()], d_out)
+    xb = x.detach().bfloat16().requires_grad_()
+    tiled = torch.autograd.grad(lk.LigerTiledSwiGLUMLP.forward(host, xb), [xb, *host.parameters()], d_out.bfloat16())
+    untiled = torch.autograd.grad(host(xb), [xb, *host.parameters()], d_out.bfloat16())
+    assert [len(call[2]) for call in blocked.calls] == [math.ceil(automatic_shards / 2)]
+    for t, u, w in zip(tiled, untiled, want, strict=True):
+        assert t.dtype == torch.bfloat16 and t.is_contiguous()
+        assert rel_err(t, w) <= 1.5 * rel_err(u, w)
+
+
+@pytest.mark.parametrize(
+    "frozen, x_grad, batch, intermediate",
+    [
+        ((), True, 2, 160),
+        ((), False, 1, 161),  # odd I: blocks of 81 and 80 columns
+        (("gate_proj.weight", "down_proj.bias"), True, 3, 160),  # LoRA-style: some projections frozen
+        (("gate_proj.weight", "up_proj.weight", "down_proj.weight"), True, 2, 96),
+    ],
+)
+def test_float64_column_blocks_equal_untiled(lk, monkeypatch, frozen, x_grad, batch, intermediate):
+    """Column blocks (automatic counts on the gated fast path): the gradients of x and of every trainable
+    weight and bias equal the untiled module's in float64, frozen ones stay None, and the blocked backward ran."""
+    blocked = _Spy(monkeypatch, lk._tiled_gated, "_blocked_backward")
+    torch.manual_seed(0)
+    module = GatedMLP(H, intermediate, bias=True).double()
+    for name in frozen:
+        module.get_parameter(name).requires_grad_(False)
+    x = torch.randn(batch, 5 * H + 3, H, dtype=torch.float64, requires_grad=x_grad)
+    tiled, untiled = tiled_and_untiled_grads(lk, module, x, None, fn=lk.gated_mlp.swiglu_mlp)
+    assert len(blocked.calls) == 1 and blocked.calls[0][-1] == 2
+    assert [g is None for g in tiled[1]] == [g is None for g in untiled[1]]
+    assert max_abs_diff(tiled, untiled) < 1e-12
+
+
+@pytest.mark.shard_policy
+@pytest.mark.parametrize(
+    "num_shards, intermediate, expected",
+    [
+        (8, 14336, (4, 2)),  # Llama-8B at 32k: 4 passes over the fp32 sums instead of 8
+        (4, 14336, (2, 2)),  # at 16k: two token shards, bf16 sums, no fp32 sums at all
+        (2, 14336, (2, 1)),  # one token shard would run the whole forward at once
+        (3, 14336, (3, 1)),
+        (5, 14336, (3, 2)),
+        (8, 8192, (4, 2)),  # 2048 x 8192 at 16k: the activations of 8 shards at the sums' cost of 4
+        (16, 2816, (16, 1)),  # blocks of 1408 columns: below MIN_BLOCK_COLUMNS
+        (8, None, (8, 1)),  # not the gated fast path
+    ],
+)
+def test_column_block_split(lk, num_shards, intermediate, expected):
+    assert lk._tiling.MIN_BLOCK_COLUMNS == 2048
+    assert lk._tiling.split_columns(num_shards, intermediate) == expected
+
+
 def test_graph_saves_x_and_nothing_intermediate_sized(lk):
     S, inter = 512, 4 * H
     module = GatedMLP(H, inter)
@@ -612,7 +678,7 @@ def test_checkpoint_early_stop_input_without_grad(lk, monkeypatch):
     got = _checkpointed_grads(lk, module, norm, x, d_out, _residual)
     want = _checkpointed_grads(lk, module, norm, x, d_out, _residual, tiled=False)
     assert got[0] is None and want[0] is None
-    assert [args[-1] for args in backward.calls] == [False]  # want_x
+    assert [args[5] for args in backward.calls] == [False]  # want_x
     for g, w in zip(got[1:], want[1:], strict=True):
         assert (g is None and w is None) or (g - w).abs().max().item() < 1e-12
 

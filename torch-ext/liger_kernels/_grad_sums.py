@@ -30,21 +30,23 @@ def accumulate(total, grad, narrow: bool = False):
     return total.add_(grad)
 
 
-def _mm_widens(device: torch.device) -> bool:
+def _mm_widens(device: torch.device, into: bool = False) -> bool:
     """Whether this PyTorch's mm/addmm take ``out_dtype`` (fp32 results of low-precision GEMMs) on ``device``:
-    the GEMM then adds its product into the fp32 sum directly, with no low-precision product and no extra pass."""
-    known = _MM_WIDENS.get(device.type)
+    the GEMM then adds its product into the fp32 sum directly, with no low-precision product and no extra pass.
+    ``into``: whether mm also writes such a result into a given tensor (``out=``)."""
+    known = _MM_WIDENS.get((device.type, into))
     if known is None:
         a = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+        out = torch.empty(1, 1, dtype=torch.float32, device=device) if into else None
         try:
-            known = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+            known = torch.mm(a, a, out_dtype=torch.float32, out=out).dtype == torch.float32
         except (RuntimeError, TypeError, NotImplementedError):  # no out_dtype in this build, or not on this device
             known = False
-        _MM_WIDENS[device.type] = known
+        _MM_WIDENS[(device.type, into)] = known
     return known
 
 
-_MM_WIDENS = {}  # device type -> bool, probed once
+_MM_WIDENS = {}  # (device type, into) -> bool, probed once
 
 
 def add_matmul(total, a, b, narrow: bool = False):
@@ -58,6 +60,18 @@ def add_matmul(total, a, b, narrow: bool = False):
             return torch.mm(a, b, out_dtype=wide)
         return torch.addmm(total, a, b, out_dtype=wide, out=total)
     return (a @ b).to(wide) if total is None else total.add_(a @ b)
+
+
+def matmul_into(total, a, b, narrow: bool = False, first: bool = False):
+    """a @ b added into ``total``, a preallocated sum (a slice of one, for column blocks), or written into it
+    by the GEMM itself where ``first`` (nothing to read or zero first)."""
+    if not first:
+        return add_matmul(total, a, b, narrow)
+    if a.dtype == total.dtype:
+        return torch.mm(a, b, out=total)
+    if _mm_widens(a.device, into=True):
+        return torch.mm(a, b, out_dtype=total.dtype, out=total)
+    return add_matmul(total.zero_(), a, b, narrow)
 
 
 def cast_each(sums, params):

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from . import _replay
 from ._gated import GatedActivation, gated_forward, gated_recompute_backward
-from ._grad_sums import accumulate, add_matmul, cast_each, narrow_sums
+from ._grad_sums import accumulate, add_matmul, cast_each, matmul_into, narrow_sums
+from ._tiling import shard_bounds
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -76,10 +77,17 @@ def gated_mlp_forward(plan: GatedPlan, x, bounds):
     return out
 
 
-def gated_mlp_backward(plan: GatedPlan, params, bounds, x, d_out, want_x):
+def gated_mlp_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks: int = 1):
     """Per shard: gate = x W_g^T, up = x W_u^T; d_hidden = d_out W_down; one fused pass writes d_gate, d_up
     over gate, up and hidden over d_hidden; then dW_down += d_out^T hidden, dW_g += d_gate^T x,
-    dW_u += d_up^T x, d_x = d_gate W_g + d_up W_u. Returns (d_x, gradients of ``params``)."""
+    dW_u += d_up^T x, d_x = d_gate W_g + d_up W_u. Returns (d_x, gradients of ``params``).
+
+    ``blocks`` > 1 runs each shard in that many column blocks of I (``_tiling.split_columns``): every step
+    above but d_x is elementwise in the I columns or writes its own rows of the I-indexed sums, and d_x adds
+    the blocks' products. The sums then exist from the start, zeroed, and the down projection's is kept
+    transposed ([I, H_out]), so that each block adds into contiguous rows."""
+    if blocks > 1:
+        return _blocked_backward(plan, params, bounds, x, d_out, want_x, blocks)
     (w_gate, b_gate), (w_up, b_up), (w_down, b_down) = plan.gate, plan.up, plan.down
     index = {id(p): i for i, p in enumerate(params)}
     sums = [None] * len(params)
@@ -107,12 +115,85 @@ def gated_mlp_backward(plan: GatedPlan, params, bounds, x, d_out, want_x):
             if (i := slot(bias)) is not None:
                 sums[i] = accumulate(sums[i], d_proj.sum(0), narrow[i])
         if want_x:
-            target = d_x.narrow(-2, start, length)
-            d_x_rows = target.view(-1, x.shape[-1]) if target.is_contiguous() else None
-            d_x_rows = torch.mm(d_gate, w_gate, out=d_x_rows)
-            d_x_rows.addmm_(d_up, w_up)
-            if d_x_rows.data_ptr() != target.data_ptr() or target.numel() == 0:
-                target.copy_(d_x_rows.view(target.shape))
-            del d_x_rows
+            _d_x_into(d_x.narrow(-2, start, length), ((d_gate, w_gate), (d_up, w_up)), first=True)
         del d_gate, d_up  # before the next shard allocates its own: one shard's buffers at a time
     return d_x, cast_each(sums, params)
+
+
+def _d_x_into(target, products, first):
+    """target (+)= sum of d_proj @ weight over ``products``, the GEMMs writing into target's rows directly
+    where they are contiguous; ``first``: target holds nothing yet."""
+    if target.is_contiguous():
+        rows = target.view(-1, target.shape[-1])
+    else:  # a shard of a batch: its rows are not one block; work on a copy (or a view, where one exists)
+        rows = None if first else target.reshape(-1, target.shape[-1])
+    for d_proj, weight in products:
+        if first:
+            rows = torch.mm(d_proj, weight, out=rows)
+            first = False
+        else:
+            rows.addmm_(d_proj, weight)
+    if rows.data_ptr() != target.data_ptr() or target.numel() == 0:
+        target.copy_(rows.view(target.shape))
+
+
+def _blocked_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks):
+    (w_gate, b_gate), (w_up, b_up), (w_down, b_down) = plan.gate, plan.up, plan.down
+    index = {id(p): i for i, p in enumerate(params)}
+    narrow = [narrow_sums(len(bounds), p.dtype) for p in params]
+
+    def slot(tensor):
+        return None if tensor is None else index.get(id(tensor))
+
+    def sum_for(tensor, transposed=False):
+        """The sum for ``tensor``'s gradient, unwritten: the first shard's products write every element."""
+        i = slot(tensor)
+        if i is None:
+            return None
+        shape = tuple(reversed(tensor.shape)) if transposed else tensor.shape
+        wide = tensor.dtype if narrow[i] else torch.promote_types(tensor.dtype, torch.float32)
+        return torch.empty(shape, dtype=wide, device=tensor.device)
+
+    def add_into(total, value, first):
+        return total.copy_(value) if first else total.add_(value)
+
+    sum_gate, sum_up, sum_down_t = sum_for(w_gate), sum_for(w_up), sum_for(w_down, transposed=True)
+    sum_b_gate, sum_b_up, sum_b_down = sum_for(b_gate), sum_for(b_up), sum_for(b_down)
+    columns = shard_bounds(w_gate.shape[0], blocks)  # sizes within one of each other
+    d_x = torch.empty_like(x) if want_x else None
+    for shard, (start, length) in enumerate(bounds):
+        first = shard == 0
+        rows = x.narrow(-2, start, length).reshape(-1, x.shape[-1])
+        d_rows = d_out.narrow(-2, start, length).reshape(-1, d_out.shape[-1])
+        if sum_b_down is not None:
+            add_into(sum_b_down, d_rows.sum(0), first)
+        for k, (c0, cn) in enumerate(columns):
+            w_g, w_u = w_gate.narrow(0, c0, cn), w_up.narrow(0, c0, cn)
+            d_gate = F.linear(rows, w_g, None if b_gate is None else b_gate.narrow(0, c0, cn))
+            d_up = F.linear(rows, w_u, None if b_up is None else b_up.narrow(0, c0, cn))
+            hidden = gated_recompute_backward(d_rows @ w_down.narrow(1, c0, cn), d_gate, d_up, plan.activation)
+            if sum_down_t is not None:  # rows c0.. of dW_down^T += hidden^T d_out
+                matmul_into(sum_down_t.narrow(0, c0, cn), hidden.t(), d_rows, narrow[slot(w_down)], first)
+            del hidden
+            for total, bias_total, d_proj, weight in (
+                (sum_gate, sum_b_gate, d_gate, w_gate),
+                (sum_up, sum_b_up, d_up, w_up),
+            ):
+                if total is not None:
+                    matmul_into(total.narrow(0, c0, cn), d_proj.t(), rows, narrow[slot(weight)], first)
+                if bias_total is not None:
+                    add_into(bias_total.narrow(0, c0, cn), d_proj.sum(0), first)
+            if want_x:
+                _d_x_into(d_x.narrow(-2, start, length), ((d_gate, w_g), (d_up, w_u)), first=k == 0)
+            del d_gate, d_up
+    sums = [None] * len(params)
+    for tensor, total in ((w_gate, sum_gate), (w_up, sum_up), (b_gate, sum_b_gate), (b_up, sum_b_up),
+                          (b_down, sum_b_down)):  # fmt: skip
+        if total is not None:
+            sums[slot(tensor)] = total
+    del sum_gate, sum_up, sum_b_gate, sum_b_up, sum_b_down
+    grads = cast_each(sums, params)
+    if sum_down_t is not None:  # cast and transposed in one pass, after the others are cast and freed
+        i = slot(w_down)
+        grads[i] = torch.empty(w_down.shape, dtype=params[i].dtype, device=w_down.device).copy_(sum_down_t.t())
+    return d_x, grads

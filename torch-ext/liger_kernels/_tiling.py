@@ -3,7 +3,8 @@
 * The shard count is a function of the shapes alone, so it needs no communication: ceil(S / H) shards, so
   that each shard's S x I intermediates are about the size of one weight matrix; but no shard of fewer than
   MIN_SHARD_TOKENS rows (batch x shard length), below which the GEMMs lose efficiency and each shard's own
-  host cost (a Python-level loop step with its own launches) shows; and at most MAX_AUTO_SHARDS.
+  host cost (a Python-level loop step with its own launches) shows; and at most MAX_AUTO_SHARDS. On the
+  gated fast path that count runs as half as many shards of two column blocks of I (``split_columns``).
 * Under torch.distributed no collective runs, except where DeepSpeed gathers the parameters inside each
   shard (a user's fn calling ZeRO-3 projections of an MLP that is not a ZeRO-3 leaf; see _zero3 for the
   layouts that gather once per call instead): there ranks must run the same number of shards or a rank
@@ -59,6 +60,35 @@ def auto_num_shards(x: torch.Tensor, intermediate: int | None = None) -> int:
     if intermediate:
         min_rows = max(min_rows, math.ceil(MIN_SHARD_WORK / (max(hidden, 1) * intermediate)))
     return max(1, min(math.ceil(seq_len / max(hidden, 1)), rows // max(min_rows, 1), MAX_AUTO_SHARDS))
+
+
+# The gated fast path's backward can also split I: everything between its recomputed GEMMs is elementwise in
+# the I columns, so a shard's backward may run in column blocks, holding gate, up and d_hidden for I / blocks
+# columns at a time. The weight-gradient sums are then read and written once per token shard, not per block:
+# each fp32-summed shard costs one pass over the three sums inside the weight-gradient GEMMs (3 H I x 8
+# bytes; 0.31 ms at the Llama-8B MLP on an H200, 4-5% of the step at ceil(S / H) shards: benchmarks/NOTES.md
+# §17), and two token shards sum in bf16 with no fp32 sums at all. Half as many token shards of two blocks
+# each hold the activations of the automatic count. Two blocks only: d_x adds the blocks' four GEMM products
+# in the gradient's own dtype (one rounding more than the untiled MLP's three), and each block's GEMMs keep
+# at least MIN_BLOCK_COLUMNS columns.
+MIN_BLOCK_COLUMNS = 2048
+COLUMN_BLOCKS = 2
+
+
+class Split(NamedTuple):
+    """An automatic count as the gated fast path runs it: token shards, and column blocks of I per shard."""
+
+    shards: int
+    blocks: int
+
+
+def split_columns(num_shards: int, intermediate: int | None) -> tuple[int, int]:
+    """(token shards, column blocks of I per shard) for an automatic count of ``num_shards``, on the gated fast
+    path of an MLP with ``intermediate`` columns (None: not that path, no blocks). Blocks only where at least
+    two token shards remain: one shard would run the whole sequence's forward at once."""
+    if intermediate is None or num_shards < 2 * COLUMN_BLOCKS or intermediate // COLUMN_BLOCKS < MIN_BLOCK_COLUMNS:
+        return num_shards, 1
+    return math.ceil(num_shards / COLUMN_BLOCKS), COLUMN_BLOCKS
 
 
 def num_shards_for(requested: int | None, x: torch.Tensor, agree: bool, intermediate: int | None = None) -> int:
@@ -181,7 +211,14 @@ def untiled_reason(mlp_module, x: torch.Tensor, params, found: Structure | None 
 
 
 def tiling_pays(
-    tokens: int, hidden: int, intermediate: int, itemsize: int, num_shards: int, weight_dtype=None, summed: int = 3
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    itemsize: int,
+    num_shards: int,
+    weight_dtype=None,
+    summed: int = 3,
+    blocks: int = 1,
 ) -> bool:
     """Whether the tiled gated MLP holds less memory at its peak than the fused untiled one, for ``tokens``
     rows of width ``hidden``, ``intermediate`` columns in the MLP and activations of ``itemsize`` bytes;
@@ -192,12 +229,13 @@ def tiling_pays(
     backward, and backward adds d_hidden: about 4 x tokens x I activations. Tiled, the same four exist for one
     shard at a time, and low-precision weights add fp32 gradient sums for the three projections (3 x H x I x 4
     bytes; fp32 weights, and bf16 ones over at most MAX_NARROW_SUM_SHARDS shards, sum in their own dtype:
-    _grad_sums). What both hold alike (x, the output, the weights' gradients) cancels. Shapes only: no sync,
-    no collective, the same answer on every rank."""
-    if num_shards <= 1:
+    _grad_sums). ``blocks``: column blocks of I per shard in backward (``split_columns``): the four then exist
+    for one block of one shard. What both hold alike (x, the output, the weights' gradients) cancels. Shapes
+    only: no sync, no collective, the same answer on every rank."""
+    if num_shards * blocks <= 1:
         return False
     per_activation = tokens * intermediate * itemsize
-    saved = 4 * per_activation * (1.0 - 1.0 / num_shards)
+    saved = 4 * per_activation * (1.0 - 1.0 / (num_shards * blocks))
     if weight_dtype is None:
         weight_dtype = torch.bfloat16 if itemsize == 2 else torch.float32
     wide_sums = weight_dtype.itemsize < 4 and not narrow_sums(num_shards, weight_dtype)

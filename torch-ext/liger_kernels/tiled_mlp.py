@@ -79,12 +79,16 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     if _tiling.untiled_reason(mlp_module, x, params, found) is not None:
         return fn(mlp_module, x)
     layout = _layout(fn, mlp_module, x, params, found)
-    num_shards = _tiling.num_shards_for(requested, x, layout.agree, intermediate_size(mlp_module))
+    intermediate = intermediate_size(mlp_module)
+    num_shards = _tiling.num_shards_for(requested, x, layout.agree, intermediate)
+    shards = num_shards
+    if requested is None and gated_plan(fn, mlp_module, x, params) is not None:
+        shards = _tiling.Split(*_tiling.split_columns(num_shards, intermediate))
     if (
         tile is None
         and requested is None
         and not layout.always_tile
-        and (num_shards <= 1 or not _pays(fn, mlp_module, x, num_shards))
+        and (num_shards <= 1 or not _pays(fn, mlp_module, x, shards))
     ):
         return fn(mlp_module, x)
     zero3 = layout.zero3
@@ -96,7 +100,7 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
         anchor = torch.empty(0, device=x.device, requires_grad=True)
     if torch.is_grad_enabled() and (x.requires_grad or explicit):
         x = _SavedForRecompute.apply(x.is_leaf and x.requires_grad, x, *explicit)
-    return LigerTiledMLPFunction.apply(fn, mlp_module, x, num_shards, zero3, anchor, *explicit)
+    return LigerTiledMLPFunction.apply(fn, mlp_module, x, shards, zero3, anchor, *explicit)
 
 
 class _Layout(NamedTuple):
@@ -148,13 +152,15 @@ def intermediate_size(mlp_module) -> int | None:
 
 
 def _pays(fn, mlp_module, x, num_shards) -> bool:
-    """Tiling lowers the peak, for a gated MLP whose owner declares the fast path; any other fn is tiled."""
+    """Tiling lowers the peak, for a gated MLP whose owner declares the fast path; any other fn is tiled.
+    ``num_shards``: an int, or a ``_tiling.Split`` (token shards and column blocks of the fast path)."""
     if getattr(fn, "tiled_fast_path", None) is None:
         return True
     gate = getattr(mlp_module, "gate_proj", None)
     intermediate = intermediate_size(mlp_module)
     if intermediate is None:
         return True
+    num_shards, blocks = num_shards if isinstance(num_shards, _tiling.Split) else (num_shards, 1)
     hidden = x.shape[-1]
     weight = getattr(gate, "weight", None)
     weight_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
@@ -163,7 +169,7 @@ def _pays(fn, mlp_module, x, num_shards) -> bool:
     weights = [getattr(p, "weight", None) for p in projections]
     summed = sum(1 for w in weights if not isinstance(w, torch.Tensor) or w.requires_grad)
     tokens = x.numel() // max(hidden, 1)
-    return _tiling.tiling_pays(tokens, hidden, intermediate, x.element_size(), num_shards, weight_dtype, summed)
+    return _tiling.tiling_pays(tokens, hidden, intermediate, x.element_size(), num_shards, weight_dtype, summed, blocks)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -239,6 +245,7 @@ class _SavedForRecompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_is_grad_leaf, x, *params):
         ctx.x_is_grad_leaf, ctx.num_params = x_is_grad_leaf, len(params)
+        ctx.set_materialize_grads(False)  # x that needs no gradient gets None, not an x-sized zero tensor
         ctx.save_for_backward(x, *params)
         return x.view_as(x)
 
@@ -269,13 +276,20 @@ class LigerTiledMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn, mlp_module, x, num_shards, zero3_params, anchor, *params):
-        requested = _tiling.check_num_shards(num_shards)
+        # apply_tiled_mlp hands over its automatic count as a _tiling.Split (shards, column blocks)
+        split = num_shards if isinstance(num_shards, _tiling.Split) else None
+        requested = split.shards if split is not None else _tiling.check_num_shards(num_shards)
         ctx.fn, ctx.mlp_module = fn, mlp_module
         ctx.zero3_params, ctx.params = list(zero3_params), list(params)
         ctx.gated = gated_plan(fn, mlp_module, x, ctx.params + ctx.zero3_params)
         layout = _layout(fn, mlp_module, x, ctx.params + ctx.zero3_params, fast=ctx.gated is not None)
+        # Column blocks of I per shard in the fast path's backward: automatic counts only.
+        ctx.blocks = split.blocks if split is not None and ctx.gated is not None else 1
         if requested is None:
-            requested = _tiling.num_shards_for(None, x, layout.agree, intermediate_size(mlp_module))
+            intermediate = intermediate_size(mlp_module)
+            requested = _tiling.num_shards_for(None, x, layout.agree, intermediate)
+            if ctx.gated is not None:
+                requested, ctx.blocks = _tiling.split_columns(requested, intermediate)
         ctx.bounds = _tiling.shard_bounds(x.shape[-2], requested)
         ctx.autocast = _replay.autocast_state(x.device.type)
         ctx.rng = _replay.capture_rng(x.device)
@@ -325,7 +339,9 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         if ctx.gated is not None:
             explicit = len(ctx.params)
             with _zero3.gathered(ctx.gather):
-                d_x, grads = gated_mlp_backward(ctx.gated, ctx.params + ctx.zero3_params, ctx.bounds, x, d_out, want_x)
+                d_x, grads = gated_mlp_backward(
+                    ctx.gated, ctx.params + ctx.zero3_params, ctx.bounds, x, d_out, want_x, ctx.blocks
+                )
                 _zero3.deliver(ctx.zero3_params, grads[explicit:])
             return (None, None, d_x, None, None, None, *grads[:explicit])
         d_x = torch.empty_like(x) if want_x else None
