@@ -468,6 +468,32 @@ def test_float64_column_blocks_equal_untiled(lk, monkeypatch, frozen, x_grad, ba
     assert max_abs_diff(tiled, untiled) < 1e-12
 
 
+@pytest.mark.parametrize(
+    "tie", [("up_proj", "weight", "gate_proj"), ("up_proj", "bias", "gate_proj"), ("down_proj", "weight", "gate_proj")]
+)
+def test_tied_projections_are_not_split_into_column_blocks(lk, monkeypatch, tie):
+    """Two projections sharing a weight or a bias: their gradients add into one sum, which column blocks
+    (one sum per projection) would split; such calls keep whole columns, and equal the plain module."""
+    blocked = _Spy(monkeypatch, lk._tiled_gated, "_blocked_backward")
+    torch.manual_seed(0)
+    module = GatedMLP(H, H, bias=True).double()  # I = H, so that down's weight can be gate's
+    name, attr, source = tie
+    setattr(getattr(module, name), attr, getattr(getattr(module, source), attr))
+    x = torch.randn(2, 5 * H + 3, H, dtype=torch.float64, requires_grad=True)
+    tiled, untiled = tiled_and_untiled_grads(lk, module, x, None, fn=lk.gated_mlp.swiglu_mlp)
+    assert blocked.calls == []
+    assert max_abs_diff(tiled, untiled) < 1e-12
+
+
+def test_tiling_counts_the_forwards_whole_shard_with_column_blocks(lk):
+    """With column blocks the forward (not split) holds gate, up and the output for a whole shard: at 3 shards
+    of 2 blocks the tiled call holds one activation's worth, not 4/6, so tokens = 1.9 H does not pay for three
+    fp32 sums (it would, counting the backward's blocks alone)."""
+    args = (1900, 1000, 4096, 2, 3, torch.bfloat16, 3)
+    assert not lk._tiling.tiling_pays(*args, blocks=2)
+    assert lk._tiling.tiling_pays(2100, *args[1:], blocks=2)
+
+
 @pytest.mark.shard_policy
 @pytest.mark.parametrize(
     "num_shards, intermediate, expected",

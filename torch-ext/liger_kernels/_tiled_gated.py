@@ -53,6 +53,13 @@ def gated_plan(fn, mlp_module, x, params) -> GatedPlan | None:
     return GatedPlan(activation, *weights)
 
 
+def splits_columns(plan: GatedPlan) -> bool:
+    """Whether the backward may run in column blocks of I: not where two of the projections' weights and biases
+    are one tensor (tied), whose gradient the blocks would write into two separate sums."""
+    tensors = [t for pair in (plan.gate, plan.up, plan.down) for t in pair if t is not None]
+    return len({id(t) for t in tensors}) == len(tensors)
+
+
 def _mm_into(target, a, weight, bias):
     """target[..., :] = a @ weight^T (+ bias), the GEMM writing into target directly where its rows are
     contiguous."""
@@ -86,7 +93,7 @@ def gated_mlp_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks
     above but d_x is elementwise in the I columns or writes its own rows of the I-indexed sums, and d_x adds
     the blocks' products. The sums then exist from the start, zeroed, and the down projection's is kept
     transposed ([I, H_out]), so that each block adds into contiguous rows."""
-    if blocks > 1:
+    if blocks > 1 and splits_columns(plan):
         return _blocked_backward(plan, params, bounds, x, d_out, want_x, blocks)
     (w_gate, b_gate), (w_up, b_up), (w_down, b_down) = plan.gate, plan.up, plan.down
     index = {id(p): i for i, p in enumerate(params)}

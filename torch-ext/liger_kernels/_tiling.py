@@ -68,9 +68,11 @@ def auto_num_shards(x: torch.Tensor, intermediate: int | None = None) -> int:
 # each fp32-summed shard costs one pass over the three sums inside the weight-gradient GEMMs (3 H I x 8
 # bytes; 0.31 ms at the Llama-8B MLP on an H200, 4-5% of the step at ceil(S / H) shards: benchmarks/NOTES.md
 # §17), and two token shards sum in bf16 with no fp32 sums at all. Half as many token shards of two blocks
-# each hold the activations of the automatic count. Two blocks only: d_x adds the blocks' four GEMM products
-# in the gradient's own dtype (one rounding more than the untiled MLP's three), and each block's GEMMs keep
-# at least MIN_BLOCK_COLUMNS columns.
+# each hold the backward activations of the automatic count; the forward, not split, holds gate, up and the
+# output of a shard twice as long (below the backward's peak with its sums: unchanged peaks measured from 32k
+# to 128k at the Llama-8B MLP, and 0.29 GiB less in the 4-layer model at 16k). Two blocks only: d_x adds the
+# blocks' four GEMM products in the gradient's own dtype (one rounding more than the untiled MLP's three), and
+# each block's GEMMs keep at least MIN_BLOCK_COLUMNS columns.
 MIN_BLOCK_COLUMNS = 2048
 COLUMN_BLOCKS = 2
 
@@ -230,12 +232,14 @@ def tiling_pays(
     shard at a time, and low-precision weights add fp32 gradient sums for the three projections (3 x H x I x 4
     bytes; fp32 weights, and bf16 ones over at most MAX_NARROW_SUM_SHARDS shards, sum in their own dtype:
     _grad_sums). ``blocks``: column blocks of I per shard in backward (``split_columns``): the four then exist
-    for one block of one shard. What both hold alike (x, the output, the weights' gradients) cancels. Shapes
-    only: no sync, no collective, the same answer on every rank."""
+    for one block of one shard in backward, while the forward (not split) holds gate, up and the output for a
+    whole shard: the larger of the two counts. What both hold alike (x, the output, the weights' gradients)
+    cancels. Shapes only: no sync, no collective, the same answer on every rank."""
     if num_shards * blocks <= 1:
         return False
     per_activation = tokens * intermediate * itemsize
-    saved = 4 * per_activation * (1.0 - 1.0 / (num_shards * blocks))
+    held = max(3.0 / num_shards, 4.0 / (num_shards * blocks))
+    saved = per_activation * (4.0 - held)
     if weight_dtype is None:
         weight_dtype = torch.bfloat16 if itemsize == 2 else torch.float32
     wide_sums = weight_dtype.itemsize < 4 and not narrow_sums(num_shards, weight_dtype)

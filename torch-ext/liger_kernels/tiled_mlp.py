@@ -28,7 +28,7 @@ import torch
 
 from . import _backend, _replay, _tiling, _zero3
 from ._grad_sums import accumulate, cast_each, narrow_sums
-from ._tiled_gated import gated_mlp_backward, gated_mlp_forward, gated_plan
+from ._tiled_gated import gated_mlp_backward, gated_mlp_forward, gated_plan, splits_columns
 
 OP = _tiling.OP
 
@@ -82,7 +82,8 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     intermediate = intermediate_size(mlp_module)
     num_shards = _tiling.num_shards_for(requested, x, layout.agree, intermediate)
     shards = num_shards
-    if requested is None and gated_plan(fn, mlp_module, x, params) is not None:
+    plan = gated_plan(fn, mlp_module, x, params) if requested is None else None
+    if plan is not None and splits_columns(plan):
         shards = _tiling.Split(*_tiling.split_columns(num_shards, intermediate))
     if (
         tile is None
@@ -284,7 +285,7 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         ctx.gated = gated_plan(fn, mlp_module, x, ctx.params + ctx.zero3_params)
         layout = _layout(fn, mlp_module, x, ctx.params + ctx.zero3_params, fast=ctx.gated is not None)
         # Column blocks of I per shard in the fast path's backward: automatic counts only.
-        ctx.blocks = split.blocks if split is not None and ctx.gated is not None else 1
+        ctx.blocks = split.blocks if split is not None and ctx.gated is not None and splits_columns(ctx.gated) else 1
         if requested is None:
             intermediate = intermediate_size(mlp_module)
             requested = _tiling.num_shards_for(None, x, layout.agree, intermediate)
