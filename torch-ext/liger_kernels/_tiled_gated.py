@@ -91,8 +91,9 @@ def gated_mlp_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks
 
     ``blocks`` > 1 runs each shard in that many column blocks of I (``_tiling.split_columns``): every step
     above but d_x is elementwise in the I columns or writes its own rows of the I-indexed sums, and d_x adds
-    the blocks' products. The sums then exist from the start, zeroed, and the down projection's is kept
-    transposed ([I, H_out]), so that each block adds into contiguous rows."""
+    the blocks' products. The sums then exist from the start (the first shard's GEMMs write them), and the
+    down projection's is kept transposed ([I, H_out]), so that each block adds into contiguous rows. Not for
+    tied projections (``splits_columns``)."""
     if blocks > 1 and splits_columns(plan):
         return _blocked_backward(plan, params, bounds, x, d_out, want_x, blocks)
     (w_gate, b_gate), (w_up, b_up), (w_down, b_down) = plan.gate, plan.up, plan.down
