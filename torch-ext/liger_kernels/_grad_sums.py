@@ -74,6 +74,12 @@ def matmul_into(total, a, b, narrow: bool = False, first: bool = False):
     return add_matmul(total.zero_(), a, b, narrow)
 
 
+def row_sum(grad, narrow: bool = False):
+    """A shard's bias gradient, the sum of ``grad``'s rows: kept wide (not rounded to grad's dtype before it
+    joins the wide sum, as a GEMM's product is not), or in grad's dtype when ``narrow``."""
+    return grad.sum(0) if narrow else grad.sum(0, dtype=torch.promote_types(grad.dtype, torch.float32))
+
+
 def cast_each(sums, params):
     """The sums cast to their parameters' dtypes, each sum freed as soon as it is cast, so that the wide and
     the low-precision copies of all weights never coexist."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import _replay
 from ._gated import GatedActivation, gated_forward, gated_recompute_backward
-from ._grad_sums import accumulate, add_matmul, cast_each, matmul_into, narrow_sums
+from ._grad_sums import accumulate, add_matmul, cast_each, matmul_into, narrow_sums, row_sum
 from ._tiling import shard_bounds
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -115,13 +115,13 @@ def gated_mlp_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks
         if (i := slot(w_down)) is not None:
             sums[i] = add_matmul(sums[i], d_rows.t(), hidden, narrow[i])
         if (i := slot(b_down)) is not None:
-            sums[i] = accumulate(sums[i], d_rows.sum(0), narrow[i])
+            sums[i] = accumulate(sums[i], row_sum(d_rows, narrow[i]), narrow[i])
         del hidden
         for (weight, bias), d_proj in (((w_gate, b_gate), d_gate), ((w_up, b_up), d_up)):
             if (i := slot(weight)) is not None:
                 sums[i] = add_matmul(sums[i], d_proj.t(), rows, narrow[i])
             if (i := slot(bias)) is not None:
-                sums[i] = accumulate(sums[i], d_proj.sum(0), narrow[i])
+                sums[i] = accumulate(sums[i], row_sum(d_proj, narrow[i]), narrow[i])
         if want_x:
             _d_x_into(d_x.narrow(-2, start, length), ((d_gate, w_gate), (d_up, w_up)), first=True)
         del d_gate, d_up  # before the next shard allocates its own: one shard's buffers at a time
@@ -174,7 +174,7 @@ def _blocked_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks)
         rows = x.narrow(-2, start, length).reshape(-1, x.shape[-1])
         d_rows = d_out.narrow(-2, start, length).reshape(-1, d_out.shape[-1])
         if sum_b_down is not None:
-            add_into(sum_b_down, d_rows.sum(0), first)
+            add_into(sum_b_down, row_sum(d_rows, sum_b_down.dtype == d_rows.dtype), first)
         for k, (c0, cn) in enumerate(columns):
             w_g, w_u = w_gate.narrow(0, c0, cn), w_up.narrow(0, c0, cn)
             d_gate = F.linear(rows, w_g, None if b_gate is None else b_gate.narrow(0, c0, cn))
@@ -190,7 +190,7 @@ def _blocked_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks)
                 if total is not None:
                     matmul_into(total.narrow(0, c0, cn), d_proj.t(), rows, narrow[slot(weight)], first)
                 if bias_total is not None:
-                    add_into(bias_total.narrow(0, c0, cn), d_proj.sum(0), first)
+                    add_into(bias_total.narrow(0, c0, cn), row_sum(d_proj, bias_total.dtype == d_proj.dtype), first)
             if want_x:
                 _d_x_into(d_x.narrow(-2, start, length), ((d_gate, w_g), (d_up, w_u)), first=k == 0)
             del d_gate, d_up
