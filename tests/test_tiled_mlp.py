@@ -723,12 +723,15 @@ def test_checkpoint_early_stop_input_without_grad(lk, monkeypatch):
     module, norm = GatedMLP(H, 160).double(), torch.nn.LayerNorm(H).double()
     norm.requires_grad_(False)
     backward = _Spy(monkeypatch, lk.tiled_mlp, "gated_mlp_backward")
+    saver = _Spy(monkeypatch, lk.tiled_mlp._SavedForRecompute, "backward")
     x = torch.randn(2, 4 * H, H, dtype=torch.float64)
     d_out = torch.randn_like(x)
     got = _checkpointed_grads(lk, module, norm, x, d_out, _residual)
     want = _checkpointed_grads(lk, module, norm, x, d_out, _residual, tiled=False)
     assert got[0] is None and want[0] is None
     assert [args[5] for args in backward.calls] == [False]  # want_x
+    # ... and the saving node passes None on, not an x-sized tensor of zeros
+    assert [args[1] for args in saver.calls] == [None]
     for g, w in zip(got[1:], want[1:], strict=True):
         assert (g is None and w is None) or (g - w).abs().max().item() < 1e-12
 
