@@ -84,13 +84,13 @@ class Split(NamedTuple):
     blocks: int
 
 
-def split_columns(num_shards: int, intermediate: int | None) -> tuple[int, int]:
+def split_columns(num_shards: int, intermediate: int | None) -> Split:
     """(token shards, column blocks of I per shard) for an automatic count of ``num_shards``, on the gated fast
     path of an MLP with ``intermediate`` columns (None: not that path, no blocks). Blocks only where at least
     two token shards remain: one shard would run the whole sequence's forward at once."""
     if intermediate is None or num_shards < 2 * COLUMN_BLOCKS or intermediate // COLUMN_BLOCKS < MIN_BLOCK_COLUMNS:
-        return num_shards, 1
-    return math.ceil(num_shards / COLUMN_BLOCKS), COLUMN_BLOCKS
+        return Split(num_shards, 1)
+    return Split(math.ceil(num_shards / COLUMN_BLOCKS), COLUMN_BLOCKS)
 
 
 def num_shards_for(requested: int | None, x: torch.Tensor, agree: bool, intermediate: int | None = None) -> int:

@@ -84,7 +84,7 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     shards = num_shards
     plan = gated_plan(fn, mlp_module, x, params) if requested is None else None
     if plan is not None and splits_columns(plan):
-        shards = _tiling.Split(*_tiling.split_columns(num_shards, intermediate))
+        shards = _tiling.split_columns(num_shards, intermediate)
     if (
         tile is None
         and requested is None
@@ -285,11 +285,11 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         ctx.gated = gated_plan(fn, mlp_module, x, ctx.params + ctx.zero3_params)
         layout = _layout(fn, mlp_module, x, ctx.params + ctx.zero3_params, fast=ctx.gated is not None)
         # Column blocks of I per shard in the fast path's backward: automatic counts only.
-        ctx.blocks = split.blocks if split is not None and ctx.gated is not None and splits_columns(ctx.gated) else 1
+        ctx.blocks = split.blocks if split is not None and ctx.gated is not None else 1
         if requested is None:
             intermediate = intermediate_size(mlp_module)
             requested = _tiling.num_shards_for(None, x, layout.agree, intermediate)
-            if ctx.gated is not None:
+            if ctx.gated is not None and splits_columns(ctx.gated):  # as apply_tiled_mlp splits it
                 requested, ctx.blocks = _tiling.split_columns(requested, intermediate)
         ctx.bounds = _tiling.shard_bounds(x.shape[-2], requested)
         ctx.autocast = _replay.autocast_state(x.device.type)
