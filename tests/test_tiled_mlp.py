@@ -3,7 +3,6 @@ path, autocast and dropout replay, precision in bf16, saved memory, and misuse t
 
 import contextlib
 import copy
-import math
 import types
 
 import pytest
@@ -422,13 +421,26 @@ def test_bf16_fast_path_weight_gradients_within_the_contract(lk, num_shards, mon
         assert rel_err(t, w) <= 1.5 * rel_err(u, w)
 
 
-@pytest.mark.parametrize("automatic_shards", [4, 8, 7], ids=["2 shards x 2 blocks", "4 x 2", "4 x 2 (7)"])
-def test_bf16_column_blocks_within_the_contract(lk, monkeypatch, automatic_shards):
-    """The automatic count split into half as many shards of two column blocks of I: weight gradients within
-    1.5x the untiled bf16 error against float64, summed in bf16 over 2 token shards and in fp32 over 4; d_x,
-    whose blocks' four products add in bf16, within 1.5x the untiled error too."""
+@pytest.mark.parametrize(
+    "automatic_shards, forward, shards, blocks, sum_dtype",
+    [
+        (3, 3, 2, 2, torch.bfloat16),  # two token shards sum in bf16
+        (4, 3, 2, 2, torch.bfloat16),
+        (8, 6, 2, 4, torch.bfloat16),
+        (7, 6, 2, 4, torch.bfloat16),
+        (16, 12, 8, 2, torch.float32),  # more token shards: fp32 sums
+    ],
+    ids=["2 shards x 2 blocks (3)", "2 x 2 (4)", "2 x 4 (8)", "2 x 4 (7)", "8 x 2 (16)"],
+)
+def test_bf16_column_blocks_within_the_contract(lk, monkeypatch, automatic_shards, forward, shards, blocks, sum_dtype):
+    """The automatic count run as fewer token shards of column blocks of I in backward, and as token shards of
+    its own in forward: weight gradients within 1.5x the untiled bf16 error against float64, with bf16 sums
+    over 2 token shards and fp32 sums over 8; d_x, whose blocks' products add in bf16, within 1.5x the untiled
+    error too."""
     monkeypatch.setattr(lk._tiling, "auto_num_shards", lambda x, intermediate=None: automatic_shards)
     blocked = _Spy(monkeypatch, lk._tiled_gated, "_blocked_backward")
+    forwards = _Spy(monkeypatch, lk.tiled_mlp, "gated_mlp_forward")
+    sums = _Spy(monkeypatch, lk._tiled_gated, "matmul_into")
     torch.manual_seed(0)
     host64 = GatedMLP(H, 128, bias=True).double()
     host = copy.deepcopy(host64).bfloat16()
@@ -438,7 +450,11 @@ def test_bf16_column_blocks_within_the_contract(lk, monkeypatch, automatic_shard
     xb = x.detach().bfloat16().requires_grad_()
     tiled = torch.autograd.grad(lk.LigerTiledSwiGLUMLP.forward(host, xb), [xb, *host.parameters()], d_out.bfloat16())
     untiled = torch.autograd.grad(host(xb), [xb, *host.parameters()], d_out.bfloat16())
-    assert [len(call[2]) for call in blocked.calls] == [math.ceil(automatic_shards / 2)]
+    assert [len(call[2]) for call in forwards.calls] == [forward]
+    assert [(len(call[2]), call[-1]) for call in blocked.calls] == [(shards, blocks)]
+    # the weights' sums: written by the first token shard's GEMMs, added into by the others, in sum_dtype
+    summed = {call[0].dtype for call in sums.calls if len(call) < 5 or not call[4]}
+    assert summed == {sum_dtype} and len(sums.calls) == 3 * shards * blocks
     for t, u, w in zip(tiled, untiled, want, strict=True):
         assert t.dtype == torch.bfloat16 and t.is_contiguous()
         assert rel_err(t, w) <= 1.5 * rel_err(u, w)
@@ -463,7 +479,7 @@ def test_float64_column_blocks_equal_untiled(lk, monkeypatch, frozen, x_grad, ba
         module.get_parameter(name).requires_grad_(False)
     x = torch.randn(batch, 5 * H + 3, H, dtype=torch.float64, requires_grad=x_grad)
     tiled, untiled = tiled_and_untiled_grads(lk, module, x, None, fn=lk.gated_mlp.swiglu_mlp)
-    assert len(blocked.calls) == 1 and blocked.calls[0][-1] == 2
+    assert len(blocked.calls) == 1 and blocked.calls[0][-1] == 4  # 6 automatic shards: 2 token shards x 4
     assert [g is None for g in tiled[1]] == [g is None for g in untiled[1]]
     assert max_abs_diff(tiled, untiled) < 1e-12
 
@@ -486,31 +502,52 @@ def test_tied_projections_are_not_split_into_column_blocks(lk, monkeypatch, tie)
 
 
 def test_tiling_counts_the_forwards_whole_shard_with_column_blocks(lk):
-    """With column blocks the forward (not split) holds gate, up and the output for a whole shard: at 3 shards
-    of 2 blocks the tiled call holds one activation's worth, not 4/6, so tokens = 1.9 H does not pay for three
-    fp32 sums (it would, counting the backward's blocks alone)."""
+    """The forward holds gate, up and the output for one of its own token shards: at 3 forward shards and 3
+    backward shards of 2 blocks the tiled call holds one activation's worth, not 4/6, so tokens = 1.9 H does
+    not pay for three fp32 sums (it would, counting the backward's blocks alone); with 6 forward shards it
+    does."""
     args = (1900, 1000, 4096, 2, 3, torch.bfloat16, 3)
     assert not lk._tiling.tiling_pays(*args, blocks=2)
+    assert not lk._tiling.tiling_pays(*args, blocks=2, forward_shards=3)
     assert lk._tiling.tiling_pays(2100, *args[1:], blocks=2)
+    assert lk._tiling.tiling_pays(*args, blocks=2, forward_shards=6)
 
 
 @pytest.mark.shard_policy
 @pytest.mark.parametrize(
     "num_shards, intermediate, expected",
     [
-        (8, 14336, (4, 2)),  # Llama-8B at 32k: 4 passes over the fp32 sums instead of 8
-        (4, 14336, (2, 2)),  # at 16k: two token shards, bf16 sums, no fp32 sums at all
-        (2, 14336, (2, 1)),  # one token shard would run the whole forward at once
-        (3, 14336, (3, 1)),
-        (5, 14336, (3, 2)),
-        (8, 8192, (4, 2)),  # 2048 x 8192 at 16k: the activations of 8 shards at the sums' cost of 4
-        (16, 2816, (16, 1)),  # blocks of 1408 columns: below MIN_BLOCK_COLUMNS
-        (8, None, (8, 1)),  # not the gated fast path
+        (8, 14336, (6, 2, 4)),  # Llama-8B at 32k: two token shards of 4 blocks sum in bf16, no fp32 sums
+        (5, 14336, (5, 2, 4)),
+        (16, 14336, (12, 8, 2)),  # at 64k: fp32 sums either way, 2 blocks (8 passes over the sums, not 16)
+        (32, 14336, (24, 16, 2)),
+        (4, 14336, (3, 2, 2)),  # at 16k: 4 blocks would leave one token shard
+        (3, 14336, (3, 2, 2)),
+        (2, 14336, (2, 2, 1)),
+        (1, 14336, (1, 1, 1)),  # untiled
+        (8, 8192, (6, 2, 4)),  # 2048 x 8192 at 16k: the activations of 8 shards, bf16 sums
+        (8, 6144, (6, 4, 2)),  # 3 blocks of 2048 columns would leave 3 token shards: 2 blocks
+        (16, 2816, (16, 16, 1)),  # blocks of 1408 columns: below MIN_BLOCK_COLUMNS
+        (8, None, (8, 8, 1)),  # not the gated fast path
     ],
 )
 def test_column_block_split(lk, num_shards, intermediate, expected):
     assert lk._tiling.MIN_BLOCK_COLUMNS == 2048
     assert lk._tiling.split_columns(num_shards, intermediate) == expected
+
+
+@pytest.mark.parametrize(
+    "columns, blocks, expected",
+    [
+        (14336, 4, [(0, 3584), (3584, 3584), (7168, 3584), (10752, 3584)]),
+        (14336, 3, [(0, 4800), (4800, 4800), (9600, 4736)]),  # starts on multiples of 64
+        (8000, 4, [(0, 2048), (2048, 2048), (4096, 2048), (6144, 1856)]),
+        (161, 2, [(0, 81), (81, 80)]),  # too narrow to align: within one of each other
+        (130, 3, [(0, 44), (44, 43), (87, 43)]),
+    ],
+)
+def test_column_blocks_are_aligned_and_cover_every_column(lk, columns, blocks, expected):
+    assert lk._tiling.column_bounds(columns, blocks) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

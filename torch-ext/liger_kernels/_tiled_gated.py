@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from . import _replay
 from ._gated import GatedActivation, gated_forward, gated_recompute_backward
 from ._grad_sums import accumulate, add_matmul, cast_each, matmul_into, narrow_sums, row_sum
-from ._tiling import shard_bounds
+from ._tiling import column_bounds
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -167,7 +167,7 @@ def _blocked_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks)
 
     sum_gate, sum_up, sum_down_t = sum_for(w_gate), sum_for(w_up), sum_for(w_down, transposed=True)
     sum_b_gate, sum_b_up, sum_b_down = sum_for(b_gate), sum_for(b_up), sum_for(b_down)
-    columns = shard_bounds(w_gate.shape[0], blocks)  # sizes within one of each other
+    columns = column_bounds(w_gate.shape[0], blocks)
     d_x = torch.empty_like(x) if want_x else None
     for shard, (start, length) in enumerate(bounds):
         first = shard == 0

@@ -4,7 +4,8 @@
   that each shard's S x I intermediates are about the size of one weight matrix; but no shard of fewer than
   MIN_SHARD_TOKENS rows (batch x shard length), below which the GEMMs lose efficiency and each shard's own
   host cost (a Python-level loop step with its own launches) shows; and at most MAX_AUTO_SHARDS. On the
-  gated fast path that count runs as half as many shards of two column blocks of I (``split_columns``).
+  gated fast path the backward runs that count as fewer token shards of column blocks of I
+  (``split_columns``).
 * Under torch.distributed no collective runs, except where DeepSpeed gathers the parameters inside each
   shard (a user's fn calling ZeRO-3 projections of an MLP that is not a ZeRO-3 leaf; see _zero3 for the
   layouts that gather once per call instead): there ranks must run the same number of shards or a rank
@@ -25,7 +26,7 @@ from torch import nn
 
 from . import _zero3
 from ._gated import transforms_active
-from ._grad_sums import narrow_sums
+from ._grad_sums import MAX_NARROW_SUM_SHARDS, narrow_sums
 
 OP = "apply_tiled_mlp"
 MAX_AUTO_SHARDS = 100
@@ -66,31 +67,61 @@ def auto_num_shards(x: torch.Tensor, intermediate: int | None = None) -> int:
 # the I columns, so a shard's backward may run in column blocks, holding gate, up and d_hidden for I / blocks
 # columns at a time. The weight-gradient sums are then read and written once per token shard, not per block:
 # each fp32-summed shard costs one pass over the three sums inside the weight-gradient GEMMs (3 H I x 8
-# bytes; 0.31 ms at the Llama-8B MLP on an H200, 4-5% of the step at ceil(S / H) shards: benchmarks/NOTES.md
-# §17), and two token shards sum in bf16 with no fp32 sums at all. Half as many token shards of two blocks
-# each hold the backward activations of the automatic count; the forward, not split, holds gate, up and the
-# output of a shard twice as long (below the backward's peak with its sums: unchanged peaks measured from 32k
-# to 128k at the Llama-8B MLP, and 0.29 GiB less in the 4-layer model at 16k). Two blocks only: d_x adds the
-# blocks' four GEMM products in the gradient's own dtype (one rounding more than the untiled MLP's three), and
-# each block's GEMMs keep at least MIN_BLOCK_COLUMNS columns.
+# bytes; 0.31 ms at the Llama-8B MLP on an H200: benchmarks/NOTES.md §17), and the sums themselves hold
+# twice the weights. So an automatic count of n shards runs its backward as fewer token shards of column
+# blocks, the same activations at a time (benchmarks/NOTES.md §18 has the measurements):
+# * four blocks where that leaves two token shards, which sum in bf16: no fp32 sums. The Llama-8B MLP at 32k
+#   held 1.27 GiB against 1.59 with 4 token shards of 2 blocks, 0-1.5% slower; the 2048 x 8192 MLP at 16k
+#   0.34 GiB against 0.44, 1-2% faster;
+# * else two blocks: the fp32 sums stay, and 4 blocks of twice the rows measured 1.5% slower than 2 at 64k
+#   and 128k;
+# * never one token shard of blocks: that was 1-3% slower than two token shards (one sum in bf16).
+# The forward accumulates nothing, so its split is free to differ: the fewest token shards whose gate, up
+# and output (3 activations) hold no more than one backward block's four, at most n.
+# At most four blocks: d_x adds the blocks' two GEMM products each in the gradient's own dtype, and its error
+# against float64 grows with their number (bf16, measured on CPU: 0.97x the untiled error at 2 blocks, 1.05x
+# at 4, 1.20x at 8, 1.45x at 16; the contract is 1.5x). Each block's GEMMs keep at least MIN_BLOCK_COLUMNS
+# columns, and blocks start on multiples of BLOCK_ALIGN columns where I allows it, so that every block's
+# leading dimensions stay aligned for the tensor cores.
 MIN_BLOCK_COLUMNS = 2048
-COLUMN_BLOCKS = 2
+MAX_COLUMN_BLOCKS = 4
+BLOCK_ALIGN = 64
 
 
 class Split(NamedTuple):
-    """An automatic count as the gated fast path runs it: token shards, and column blocks of I per shard."""
+    """An automatic count as the gated fast path runs it: token shards of the forward, token shards of the
+    backward, and column blocks of I per backward shard."""
 
+    forward: int
     shards: int
     blocks: int
 
 
+def unsplit(num_shards: int) -> Split:
+    return Split(num_shards, num_shards, 1)
+
+
 def split_columns(num_shards: int, intermediate: int | None) -> Split:
-    """(token shards, column blocks of I per shard) for an automatic count of ``num_shards``, on the gated fast
-    path of an MLP with ``intermediate`` columns (None: not that path, no blocks). Blocks only where at least
-    two token shards remain: one shard would run the whole sequence's forward at once."""
-    if intermediate is None or num_shards < 2 * COLUMN_BLOCKS or intermediate // COLUMN_BLOCKS < MIN_BLOCK_COLUMNS:
-        return Split(num_shards, 1)
-    return Split(math.ceil(num_shards / COLUMN_BLOCKS), COLUMN_BLOCKS)
+    """How the gated fast path runs an automatic count of ``num_shards`` for an MLP with ``intermediate``
+    columns (None: not that path, no blocks): see the comment above."""
+    if intermediate is None:
+        return unsplit(num_shards)
+    widest = intermediate // max(MIN_BLOCK_COLUMNS, 1)
+    for blocks in (MAX_COLUMN_BLOCKS, 2):
+        shards = math.ceil(num_shards / blocks)
+        if blocks <= widest and 2 <= shards and (blocks == 2 or shards <= MAX_NARROW_SUM_SHARDS):
+            return Split(min(num_shards, math.ceil(3 * shards * blocks / 4)), shards, blocks)
+    return unsplit(num_shards)
+
+
+def column_bounds(columns: int, blocks: int) -> list[tuple]:
+    """(start, width) of each column block: equal widths rounded up to BLOCK_ALIGN (the last block takes the
+    rest) where that adds at most an eighth to a block; narrower blocks within one of each other."""
+    width = math.ceil(columns / blocks)
+    aligned = math.ceil(width / BLOCK_ALIGN) * BLOCK_ALIGN
+    if width < 8 * BLOCK_ALIGN or aligned * (blocks - 1) >= columns:
+        return shard_bounds(columns, blocks)
+    return [(start, min(aligned, columns - start)) for start in range(0, columns, aligned)]
 
 
 def num_shards_for(requested: int | None, x: torch.Tensor, agree: bool, intermediate: int | None = None) -> int:
@@ -221,6 +252,7 @@ def tiling_pays(
     weight_dtype=None,
     summed: int = 3,
     blocks: int = 1,
+    forward_shards: int | None = None,
 ) -> bool:
     """Whether the tiled gated MLP holds less memory at its peak than the fused untiled one, for ``tokens``
     rows of width ``hidden``, ``intermediate`` columns in the MLP and activations of ``itemsize`` bytes;
@@ -228,17 +260,18 @@ def tiling_pays(
     ``summed``: how many of the three projections have gradients to sum (the frozen ones have none).
 
     Untiled, gate, up and the activation's output (the down projection's input) live from forward to
-    backward, and backward adds d_hidden: about 4 x tokens x I activations. Tiled, the same four exist for one
-    shard at a time, and low-precision weights add fp32 gradient sums for the three projections (3 x H x I x 4
-    bytes; fp32 weights, and bf16 ones over at most MAX_NARROW_SUM_SHARDS shards, sum in their own dtype:
-    _grad_sums). ``blocks``: column blocks of I per shard in backward (``split_columns``): the four then exist
-    for one block of one shard in backward, while the forward (not split) holds gate, up and the output for a
-    whole shard: the larger of the two counts. What both hold alike (x, the output, the weights' gradients)
-    cancels. Shapes only: no sync, no collective, the same answer on every rank."""
-    if num_shards * blocks <= 1:
+    backward, and backward adds d_hidden: about 4 x tokens x I activations. Tiled, the backward holds the same
+    four for one column block (of ``blocks``) of one token shard (of ``num_shards``) at a time, and the
+    forward gate, up and the output for one of its ``forward_shards`` (default: ``num_shards``) token shards:
+    the larger of the two counts. Low-precision weights add fp32 gradient sums for the three projections (3 x
+    H x I x 4 bytes; fp32 weights, and bf16 ones over at most MAX_NARROW_SUM_SHARDS token shards, sum in their
+    own dtype: _grad_sums). What both hold alike (x, the output, the weights' gradients) cancels. Shapes only:
+    no sync, no collective, the same answer on every rank."""
+    forward = num_shards if forward_shards is None else forward_shards
+    if forward <= 1:
         return False
     per_activation = tokens * intermediate * itemsize
-    held = max(3.0 / num_shards, 4.0 / (num_shards * blocks))
+    held = max(3.0 / forward, 4.0 / (num_shards * blocks))
     saved = per_activation * (4.0 - held)
     if weight_dtype is None:
         weight_dtype = torch.bfloat16 if itemsize == 2 else torch.float32

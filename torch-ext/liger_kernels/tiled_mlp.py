@@ -81,7 +81,7 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     layout = _layout(fn, mlp_module, x, params, found)
     intermediate = intermediate_size(mlp_module)
     num_shards = _tiling.num_shards_for(requested, x, layout.agree, intermediate)
-    shards = num_shards
+    shards = _tiling.unsplit(num_shards)
     plan = gated_plan(fn, mlp_module, x, params) if requested is None else None
     if plan is not None and splits_columns(plan):
         shards = _tiling.split_columns(num_shards, intermediate)
@@ -154,14 +154,14 @@ def intermediate_size(mlp_module) -> int | None:
 
 def _pays(fn, mlp_module, x, num_shards) -> bool:
     """Tiling lowers the peak, for a gated MLP whose owner declares the fast path; any other fn is tiled.
-    ``num_shards``: an int, or a ``_tiling.Split`` (token shards and column blocks of the fast path)."""
+    ``num_shards``: an int, or a ``_tiling.Split`` (how the fast path runs the count)."""
     if getattr(fn, "tiled_fast_path", None) is None:
         return True
     gate = getattr(mlp_module, "gate_proj", None)
     intermediate = intermediate_size(mlp_module)
     if intermediate is None:
         return True
-    num_shards, blocks = num_shards if isinstance(num_shards, _tiling.Split) else (num_shards, 1)
+    split = num_shards if isinstance(num_shards, _tiling.Split) else _tiling.unsplit(num_shards)
     hidden = x.shape[-1]
     weight = getattr(gate, "weight", None)
     weight_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
@@ -170,7 +170,9 @@ def _pays(fn, mlp_module, x, num_shards) -> bool:
     weights = [getattr(p, "weight", None) for p in projections]
     summed = sum(1 for w in weights if not isinstance(w, torch.Tensor) or w.requires_grad)
     tokens = x.numel() // max(hidden, 1)
-    return _tiling.tiling_pays(tokens, hidden, intermediate, x.element_size(), num_shards, weight_dtype, summed, blocks)
+    return _tiling.tiling_pays(
+        tokens, hidden, intermediate, x.element_size(), split.shards, weight_dtype, summed, split.blocks, split.forward
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -277,21 +279,26 @@ class LigerTiledMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn, mlp_module, x, num_shards, zero3_params, anchor, *params):
-        # apply_tiled_mlp hands over its automatic count as a _tiling.Split (shards, column blocks)
-        split = num_shards if isinstance(num_shards, _tiling.Split) else None
-        requested = split.shards if split is not None else _tiling.check_num_shards(num_shards)
+        # apply_tiled_mlp hands over its automatic count as the _tiling.Split the fast path runs
+        if isinstance(num_shards, _tiling.Split):
+            split = num_shards
+        else:
+            requested = _tiling.check_num_shards(num_shards)
+            split = None if requested is None else _tiling.unsplit(requested)
         ctx.fn, ctx.mlp_module = fn, mlp_module
         ctx.zero3_params, ctx.params = list(zero3_params), list(params)
         ctx.gated = gated_plan(fn, mlp_module, x, ctx.params + ctx.zero3_params)
         layout = _layout(fn, mlp_module, x, ctx.params + ctx.zero3_params, fast=ctx.gated is not None)
-        # Column blocks of I per shard in the fast path's backward: automatic counts only.
-        ctx.blocks = split.blocks if split is not None and ctx.gated is not None else 1
-        if requested is None:
+        if split is None:  # automatic, as apply_tiled_mlp splits it
             intermediate = intermediate_size(mlp_module)
-            requested = _tiling.num_shards_for(None, x, layout.agree, intermediate)
-            if ctx.gated is not None and splits_columns(ctx.gated):  # as apply_tiled_mlp splits it
-                requested, ctx.blocks = _tiling.split_columns(requested, intermediate)
-        ctx.bounds = _tiling.shard_bounds(x.shape[-2], requested)
+            split = _tiling.unsplit(_tiling.num_shards_for(None, x, layout.agree, intermediate))
+            if ctx.gated is not None and splits_columns(ctx.gated):
+                split = _tiling.split_columns(split.forward, intermediate)
+        if ctx.gated is None:  # column blocks and a backward split of their own: the fast path's only
+            split = _tiling.unsplit(split.forward)
+        ctx.blocks = split.blocks
+        ctx.forward_bounds = _tiling.shard_bounds(x.shape[-2], split.forward)
+        ctx.bounds = _tiling.shard_bounds(x.shape[-2], split.shards)  # the backward's
         ctx.autocast = _replay.autocast_state(x.device.type)
         ctx.rng = _replay.capture_rng(x.device)
         ctx.tensors = _replay.capture_tensors(mlp_module)
@@ -310,9 +317,9 @@ class LigerTiledMLPFunction(torch.autograd.Function):
             ctx.save_for_backward(x, *params)
         if ctx.gated is not None:
             with _zero3.gathered(ctx.gather):
-                return gated_mlp_forward(ctx.gated, x, ctx.bounds)
+                return gated_mlp_forward(ctx.gated, x, ctx.forward_bounds)
         out = None
-        for start, length in ctx.bounds:
+        for start, length in ctx.forward_bounds:
             shard_out = fn(mlp_module, x.narrow(-2, start, length))
             if not isinstance(shard_out, torch.Tensor) or shard_out.dim() != x.dim() or shard_out.shape[-2] != length:
                 raise ValueError(
