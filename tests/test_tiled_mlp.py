@@ -3,6 +3,7 @@ path, autocast and dropout replay, precision in bf16, saved memory, and misuse t
 
 import contextlib
 import copy
+import math
 import types
 
 import pytest
@@ -460,6 +461,7 @@ def test_bf16_column_blocks_within_the_contract(lk, monkeypatch, automatic_shard
         assert rel_err(t, w) <= 1.5 * rel_err(u, w)
 
 
+@pytest.mark.parametrize("blocks", [2, 4])
 @pytest.mark.parametrize(
     "frozen, x_grad, batch, intermediate",
     [
@@ -469,9 +471,13 @@ def test_bf16_column_blocks_within_the_contract(lk, monkeypatch, automatic_shard
         (("gate_proj.weight", "up_proj.weight", "down_proj.weight"), True, 2, 96),
     ],
 )
-def test_float64_column_blocks_equal_untiled(lk, monkeypatch, frozen, x_grad, batch, intermediate):
+def test_float64_column_blocks_equal_untiled(lk, monkeypatch, frozen, x_grad, batch, intermediate, blocks):
     """Column blocks (automatic counts on the gated fast path): the gradients of x and of every trainable
-    weight and bias equal the untiled module's in float64, frozen ones stay None, and the blocked backward ran."""
+    weight and bias equal the untiled module's in float64, frozen ones stay None, and the blocked backward ran.
+    6 automatic shards run as 3 token shards of 2 blocks for float64 weights, or, where the policy takes the
+    weights' sums for narrow ones (as bf16's over 2 token shards), as 2 token shards of 4 blocks."""
+    if blocks == 4:
+        monkeypatch.setattr(lk._tiling, "narrow_sums", lambda num_shards, dtype: num_shards <= 2)
     blocked = _Spy(monkeypatch, lk._tiled_gated, "_blocked_backward")
     torch.manual_seed(0)
     module = GatedMLP(H, intermediate, bias=True).double()
@@ -479,7 +485,7 @@ def test_float64_column_blocks_equal_untiled(lk, monkeypatch, frozen, x_grad, ba
         module.get_parameter(name).requires_grad_(False)
     x = torch.randn(batch, 5 * H + 3, H, dtype=torch.float64, requires_grad=x_grad)
     tiled, untiled = tiled_and_untiled_grads(lk, module, x, None, fn=lk.gated_mlp.swiglu_mlp)
-    assert len(blocked.calls) == 1 and blocked.calls[0][-1] == 4  # 6 automatic shards: 2 token shards x 4
+    assert [(len(call[2]), call[-1]) for call in blocked.calls] == [(math.ceil(6 / blocks), blocks)]
     assert [g is None for g in tiled[1]] == [g is None for g in untiled[1]]
     assert max_abs_diff(tiled, untiled) < 1e-12
 
@@ -534,6 +540,25 @@ def test_tiling_counts_the_forwards_whole_shard_with_column_blocks(lk):
 def test_column_block_split(lk, num_shards, intermediate, expected):
     assert lk._tiling.MIN_BLOCK_COLUMNS == 2048
     assert lk._tiling.split_columns(num_shards, intermediate) == expected
+
+
+@pytest.mark.shard_policy
+@pytest.mark.parametrize(
+    "num_shards, intermediate, dtype, expected",
+    [
+        (8, 14336, torch.float16, (6, 4, 2)),  # fp16 sums in fp32 over any count: 4 blocks would gain nothing
+        (8, 14336, torch.float32, (6, 4, 2)),
+        (4, 4097, torch.bfloat16, (4, 4, 1)),  # 2 aligned blocks: 2112 and 1985 columns, below the minimum
+        (8, 8193, torch.bfloat16, (6, 4, 2)),  # 4 aligned blocks would end in one of 1857 columns
+        (8, 8448, torch.bfloat16, (6, 2, 4)),  # 4 x 2112
+    ],
+)
+def test_column_block_split_reads_the_sums_dtype_and_the_narrowest_block(lk, num_shards, intermediate, dtype, expected):
+    assert lk._tiling.split_columns(num_shards, intermediate, dtype) == expected
+    split = lk._tiling.Split(*expected)
+    if split.blocks > 1:
+        widths = [width for _, width in lk._tiling.column_bounds(intermediate, split.blocks)]
+        assert min(widths) >= lk._tiling.MIN_BLOCK_COLUMNS
 
 
 @pytest.mark.parametrize(

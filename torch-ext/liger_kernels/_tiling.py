@@ -26,7 +26,7 @@ from torch import nn
 
 from . import _zero3
 from ._gated import transforms_active
-from ._grad_sums import MAX_NARROW_SUM_SHARDS, narrow_sums
+from ._grad_sums import narrow_sums
 
 OP = "apply_tiled_mlp"
 MAX_AUTO_SHARDS = 100
@@ -70,9 +70,9 @@ def auto_num_shards(x: torch.Tensor, intermediate: int | None = None) -> int:
 # bytes; 0.31 ms at the Llama-8B MLP on an H200: benchmarks/NOTES.md §17), and the sums themselves hold
 # twice the weights. So an automatic count of n shards runs its backward as fewer token shards of column
 # blocks, the same activations at a time (benchmarks/NOTES.md §18 has the measurements):
-# * four blocks where that leaves two token shards, which sum in bf16: no fp32 sums. The Llama-8B MLP at 32k
-#   held 1.27 GiB against 1.59 with 4 token shards of 2 blocks, 0-1.5% slower; the 2048 x 8192 MLP at 16k
-#   0.34 GiB against 0.44, 1-2% faster;
+# * four blocks where that leaves two token shards whose sums are bf16 (bf16 weights): no fp32 sums. The
+#   Llama-8B MLP at 32k held 1.27 GiB against 1.59 with 4 token shards of 2 blocks, 0-1.5% slower; the
+#   2048 x 8192 MLP at 16k 0.34 GiB against 0.44, 0-3% faster;
 # * else two blocks: the fp32 sums stay, and 4 blocks of twice the rows measured 1.5% slower than 2 at 64k
 #   and 128k;
 # * never one token shard of blocks: that was 1-3% slower than two token shards (one sum in bf16).
@@ -81,8 +81,8 @@ def auto_num_shards(x: torch.Tensor, intermediate: int | None = None) -> int:
 # At most four blocks: d_x adds the blocks' two GEMM products each in the gradient's own dtype, and its error
 # against float64 grows with their number (bf16, measured on CPU: 0.97x the untiled error at 2 blocks, 1.05x
 # at 4, 1.20x at 8, 1.45x at 16; the contract is 1.5x). Each block's GEMMs keep at least MIN_BLOCK_COLUMNS
-# columns, and blocks start on multiples of BLOCK_ALIGN columns where I allows it, so that every block's
-# leading dimensions stay aligned for the tensor cores.
+# columns (the last, narrower one included), and blocks start on multiples of BLOCK_ALIGN columns where I
+# allows it, so that every block's leading dimensions stay aligned for the tensor cores.
 MIN_BLOCK_COLUMNS = 2048
 MAX_COLUMN_BLOCKS = 4
 BLOCK_ALIGN = 64
@@ -101,15 +101,15 @@ def unsplit(num_shards: int) -> Split:
     return Split(num_shards, num_shards, 1)
 
 
-def split_columns(num_shards: int, intermediate: int | None) -> Split:
+def split_columns(num_shards: int, intermediate: int | None, weight_dtype=torch.bfloat16) -> Split:
     """How the gated fast path runs an automatic count of ``num_shards`` for an MLP with ``intermediate``
-    columns (None: not that path, no blocks): see the comment above."""
+    columns (None: not that path, no blocks) and weights of ``weight_dtype``: see the comment above."""
     if intermediate is None:
         return unsplit(num_shards)
-    widest = intermediate // max(MIN_BLOCK_COLUMNS, 1)
     for blocks in (MAX_COLUMN_BLOCKS, 2):
         shards = math.ceil(num_shards / blocks)
-        if blocks <= widest and 2 <= shards and (blocks == 2 or shards <= MAX_NARROW_SUM_SHARDS):
+        narrowest = min(width for _, width in column_bounds(intermediate, blocks)) if blocks <= intermediate else 0
+        if narrowest >= MIN_BLOCK_COLUMNS and 2 <= shards and (blocks == 2 or narrow_sums(shards, weight_dtype)):
             return Split(min(num_shards, math.ceil(3 * shards * blocks / 4)), shards, blocks)
     return unsplit(num_shards)
 

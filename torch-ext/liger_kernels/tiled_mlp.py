@@ -84,7 +84,7 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     shards = _tiling.unsplit(num_shards)
     plan = gated_plan(fn, mlp_module, x, params) if requested is None else None
     if plan is not None and splits_columns(plan):
-        shards = _tiling.split_columns(num_shards, intermediate)
+        shards = _tiling.split_columns(num_shards, intermediate, plan.gate[0].dtype)
     if (
         tile is None
         and requested is None
@@ -293,7 +293,7 @@ class LigerTiledMLPFunction(torch.autograd.Function):
             intermediate = intermediate_size(mlp_module)
             split = _tiling.unsplit(_tiling.num_shards_for(None, x, layout.agree, intermediate))
             if ctx.gated is not None and splits_columns(ctx.gated):
-                split = _tiling.split_columns(split.forward, intermediate)
+                split = _tiling.split_columns(split.forward, intermediate, ctx.gated.gate[0].dtype)
         if ctx.gated is None:  # column blocks and a backward split of their own: the fast path's only
             split = _tiling.unsplit(split.forward)
         ctx.blocks = split.blocks
