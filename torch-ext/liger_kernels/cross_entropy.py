@@ -379,6 +379,9 @@ def _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """promote_types(dtype, fp32), without dispatching an op for the floating dtypes (every call asks)."""
+    if dtype.is_floating_point:
+        return torch.float64 if dtype == torch.float64 else torch.float32
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -562,7 +565,7 @@ def denominators(target, ce_weight, opts: Options, dtype):
     """(sum of the kept targets' class weights, count of kept rows) as a 2-element device tensor: the
     divisors of "mean" (no synchronization: they stay on the device)."""
     kept = target != opts.ignore_index
-    count = kept.sum().to(dtype)
+    count = kept.sum().to(dtype)  # an exact count (int64), rounded once
     if ce_weight is None:
         return torch.stack([count, count])
     n_classes = ce_weight.shape[0]
@@ -574,14 +577,15 @@ def denominators(target, ce_weight, opts: Options, dtype):
 def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, rows_shape, divisors=None):
     """(loss, z_loss, token_accuracy) from the row tensors, reduced as ``opts.reduction`` says; ``divisors``:
     ``denominators``' result where the caller has it already."""
-    accuracy = None
-    kept = target != opts.ignore_index
+    accuracy = kept = None
     if want_accuracy:
+        kept = target != opts.ignore_index
         accuracy = ((pred == target) & kept).to(torch.float32)
     if opts.reduction == "none":
         return (ce + z).view(rows_shape), z.view(rows_shape), None if accuracy is None else accuracy.view(rows_shape)
     if opts.reduction == "sum":
-        loss, z_loss = ce.sum() + z.sum(), z.sum()
+        z_loss = z.sum()
+        loss = ce.sum() + z_loss
     else:
         if divisors is None:
             divisors = denominators(target, ce_weight, opts, ce.dtype)

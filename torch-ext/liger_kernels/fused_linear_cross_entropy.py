@@ -178,7 +178,7 @@ def _accumulators(x, w, weight_dtype, dtype, accum_dtype, needs, device):
     """(grad_x, grad_w, grad_b); grad_w is a list of (first vocab row, accumulator slab) or None: one slab
     where the accumulator is already in the dtype returned (``weight_dtype``, the parameter's own)."""
     n_rows, hidden, vocab = x.shape[0], x.shape[1], w.shape[0]
-    acc = accum_dtype or torch.promote_types(torch.float32, dtype)
+    acc = accum_dtype or _ce.compute_dtype(dtype)
     grad_x = _backend.new_tensor((n_rows, hidden), dtype=dtype, device=device) if needs[0] else None
     grad_w = None
     if needs[1]:
