@@ -379,10 +379,18 @@ def _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """promote_types(dtype, fp32), without dispatching an op for the floating dtypes (every call asks)."""
-    if dtype.is_floating_point:
-        return torch.float64 if dtype == torch.float64 else torch.float32
+    """promote_types(dtype, fp32), without dispatching an op for the dtypes the losses take (every call asks)."""
+    if dtype in _COMPUTE_DTYPES:
+        return _COMPUTE_DTYPES[dtype]
     return torch.promote_types(dtype, torch.float32)
+
+
+_COMPUTE_DTYPES = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+}
 
 
 def _row_targets(target, n_cols: int, ignore_index: int):
