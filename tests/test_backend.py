@@ -119,6 +119,7 @@ CALL_BUDGETS = {
     "liger_fused_linear_cross_entropy": (182, 139, 13),
     "LigerFusedLinearCrossEntropyFunction": (164, 164, 13),
     "LigerForCausalLMLoss": (106, 106, 28),
+    "LigerForCausalLMLoss, fused": (199, 156, 13),
 }
 # The aten ops the same calls dispatch, measured exactly these (counted by a dispatch mode; on the CPU, so the
 # losses' target range check, which a GPU skips, is in the figure, and so are the tests' poisoning fills): the
@@ -134,6 +135,7 @@ ATEN_BUDGETS = {
     "liger_fused_linear_cross_entropy": (35, 24, 5),
     "LigerFusedLinearCrossEntropyFunction": (35, 35, 4),
     "LigerForCausalLMLoss": (25, 25, 8),
+    "LigerForCausalLMLoss, fused": (39, 28, 6),
 }
 
 
@@ -151,6 +153,12 @@ def _budget_case(lk, name):
         labels = torch.randint(0, 128, (1, 8))
         return (torch.randn(1, 8, 128, requires_grad=True),), lambda logits: lk.LigerForCausalLMLoss(
             logits, labels, 128
+        )
+    if name == "LigerForCausalLMLoss, fused":
+        hidden, weight = torch.randn(1, 8, 64, requires_grad=True), torch.randn(128, 64, requires_grad=True)
+        labels = torch.randint(0, 128, (1, 8))
+        return (hidden, weight), lambda h, w: lk.LigerForCausalLMLoss(
+            None, labels, 128, hidden_states=h, lm_head_weight=w
         )
     if name == "liger_fused_linear_cross_entropy":
         hidden, weight = torch.randn(8, 64, requires_grad=True), torch.randn(128, 64, requires_grad=True)

@@ -383,7 +383,12 @@ def rotary_entries(lk, cfg, device, peers):
         "peer": _variant("liger-kernel", peers.rope and (lambda: peers.rope(q, k, cos, sin))),
     }
     inputs = f"q [1, {cfg['heads']}, {seq}, {dim}], k [1, {cfg['kv_heads']}, {seq}, {dim}]"
-    return [Entry("liger_rotary_pos_emb", inputs, "train", variants, (q_base, k_base), (d_q, d_k))]
+    layer = lk.liger_rotary_pos_emb_layer()
+    layer_variants = dict(variants, ours=("liger_rotary_pos_emb_layer", lambda: layer(q, k, cos, sin)))
+    return [
+        Entry("liger_rotary_pos_emb", inputs, "train", variants, (q_base, k_base), (d_q, d_k)),
+        Entry("liger_rotary_pos_emb_layer", inputs, "train", layer_variants, (q_base, k_base), (d_q, d_k)),
+    ]
 
 
 def loss_entries(lk, cfg, device, peers):
@@ -467,6 +472,40 @@ def loss_entries(lk, cfg, device, peers):
                 "eager": ("transformers ForCausalLMLoss", lambda: ForCausalLMLoss(logits, labels, vocab)),
             },
             (logits,),
+        )
+    )
+    layer = lk.LigerForCausalLMLossLayer()
+    entries.append(
+        Entry(
+            "LigerForCausalLMLossLayer",
+            f"logits 1x{rows}x{vocab}",
+            "train",
+            {
+                "ours": ("LigerForCausalLMLossLayer", lambda: layer(logits, labels, vocab)),
+                "eager": ("transformers ForCausalLMLoss", lambda: ForCausalLMLoss(logits, labels, vocab)),
+            },
+            (logits,),
+        )
+    )
+    hidden_states = x.detach().view(1, rows, hidden).requires_grad_()
+    entries.append(
+        Entry(
+            "LigerForCausalLMLoss(hidden_states, lm_head_weight)",
+            shape,
+            "train",
+            {
+                "ours": (
+                    "LigerForCausalLMLoss, fused",
+                    lambda: lk.LigerForCausalLMLoss(
+                        None, labels, vocab, hidden_states=hidden_states, lm_head_weight=weight
+                    ),
+                ),
+                "eager": (
+                    "transformers ForCausalLMLoss(x @ W.T)",
+                    lambda: ForCausalLMLoss(hidden_states @ weight.T, labels, vocab),
+                ),
+            },
+            (hidden_states, weight),
         )
     )
     return entries
