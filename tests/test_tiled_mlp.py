@@ -5,6 +5,7 @@ import contextlib
 import copy
 import math
 import types
+import weakref
 
 import pytest
 import torch
@@ -487,6 +488,56 @@ def test_float64_column_blocks_equal_untiled(lk, monkeypatch, frozen, x_grad, ba
     tiled, untiled = tiled_and_untiled_grads(lk, module, x, None, fn=lk.gated_mlp.swiglu_mlp)
     assert [(len(call[2]), call[-1]) for call in blocked.calls] == [(math.ceil(6 / blocks), blocks)]
     assert [g is None for g in tiled[1]] == [g is None for g in untiled[1]]
+    assert max_abs_diff(tiled, untiled) < 1e-12
+
+
+@pytest.mark.parametrize("automatic_shards, split", [(6, (3, 2)), (6, (2, 4)), (1, None)], ids=["3 x 2", "2 x 4", "whole"])
+def test_the_backward_holds_one_blocks_buffers_at_a_time(lk, monkeypatch, automatic_shards, split):
+    """Each token shard's (or column block's) gate, up and d_hidden are freed before the next one's are made:
+    the backward's peak is one block's three buffers over the sums and d_x (a block's buffers kept alive into
+    the next block by a leftover name measured one block more on the H200). "whole": shards of whole
+    columns, as for tied projections or a narrow I."""
+    if split == (2, 4):
+        monkeypatch.setattr(lk._tiling, "narrow_sums", lambda num_shards, dtype: num_shards <= 2)
+    if split is None:
+        monkeypatch.setattr(lk._tiling, "split_columns", lambda num_shards, *args: lk._tiling.unsplit(num_shards))
+        automatic_shards, split = 4, (4, 1)
+    monkeypatch.setattr(lk._tiling, "auto_num_shards", lambda x, intermediate=None: automatic_shards)
+    original, earlier, calls = lk._tiled_gated.gated_recompute_backward, [], []
+
+    def watched(d_hidden, gate, up, activation):
+        calls.append([ref() is None for ref in earlier])
+        earlier[:] = [weakref.ref(t) for t in (d_hidden, gate, up)]
+        return original(d_hidden, gate, up, activation)
+
+    monkeypatch.setattr(lk._tiled_gated, "gated_recompute_backward", watched)
+    torch.manual_seed(0)
+    module = GatedMLP(H, 160, bias=True).double()
+    x = torch.randn(2, 5 * H, H, dtype=torch.float64, requires_grad=True)
+    tiled, untiled = tiled_and_untiled_grads(lk, module, x, None, fn=lk.gated_mlp.swiglu_mlp)
+    assert len(calls) == split[0] * split[1]
+    assert calls[0] == [] and all(freed == [True, True, True] for freed in calls[1:])
+    assert max_abs_diff(tiled, untiled) < 1e-12
+
+
+def test_the_generic_backward_holds_one_shards_gradients_at_a_time(lk, monkeypatch):
+    """The generic recompute (any fn, or a given shard count): a shard's output and its weight gradients
+    (the weights' size) are freed once added into the sums, before the next shard recomputes."""
+    original, earlier, calls = lk.tiled_mlp._shard_grads, [], []
+
+    def watched(ctx, out, *args):
+        calls.append([ref() is None for ref in earlier])
+        grads = original(ctx, out, *args)
+        earlier[:] = [weakref.ref(t) for t in (out, *grads) if t is not None]
+        return grads
+
+    monkeypatch.setattr(lk.tiled_mlp, "_shard_grads", watched)
+    torch.manual_seed(0)
+    module = GatedMLP(H, 160, bias=True).double()
+    x = torch.randn(2, 5 * H, H, dtype=torch.float64, requires_grad=True)
+    tiled, untiled = tiled_and_untiled_grads(lk, module, x, 4)
+    assert len(calls) == 4 and calls[0] == []
+    assert all(len(freed) == 8 and all(freed) for freed in calls[1:])  # out, d_x and six weights and biases
     assert max_abs_diff(tiled, untiled) < 1e-12
 
 

@@ -124,7 +124,9 @@ def gated_mlp_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks
                 sums[i] = accumulate(sums[i], row_sum(d_proj, narrow[i]), narrow[i])
         if want_x:
             _d_x_into(d_x.narrow(-2, start, length), ((d_gate, w_gate), (d_up, w_up)), first=True)
-        del d_gate, d_up  # before the next shard allocates its own: one shard's buffers at a time
+        # before the next shard allocates its own: one shard's buffers at a time (d_proj, the loop's name,
+        # would otherwise keep d_up alive into the next shard)
+        del d_gate, d_up, d_proj
     return d_x, cast_each(sums, params)
 
 
@@ -193,7 +195,7 @@ def _blocked_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks)
                     add_into(bias_total.narrow(0, c0, cn), row_sum(d_proj, bias_total.dtype == d_proj.dtype), first)
             if want_x:
                 _d_x_into(d_x.narrow(-2, start, length), ((d_gate, w_g), (d_up, w_u)), first=k == 0)
-            del d_gate, d_up
+            del d_gate, d_up, d_proj  # one block's buffers at a time, as above
     sums = [None] * len(params)
     for tensor, total in ((w_gate, sum_gate), (w_up, sum_up), (b_gate, sum_b_gate), (b_up, sum_b_up),
                           (b_down, sum_b_down)):  # fmt: skip

@@ -374,6 +374,8 @@ class LigerTiledMLPFunction(torch.autograd.Function):
                     else:
                         target.copy_(d_x_shard)
                 sums = [accumulate(total, g, n) for total, g, n in zip(sums, grads, narrow)]
+                # before the next shard runs: its output and gradients (the weights' size) are added in
+                out = grads = d_x_shard = None
         return (None, None, d_x, None, None, None, *cast_each(sums, ctx.params))
 
 
