@@ -3,6 +3,7 @@ path, autocast and dropout replay, precision in bf16, saved memory, and misuse t
 
 import contextlib
 import copy
+import itertools
 import math
 import types
 import weakref
@@ -423,23 +424,31 @@ def test_bf16_fast_path_weight_gradients_within_the_contract(lk, num_shards, mon
         assert rel_err(t, w) <= 1.5 * rel_err(u, w)
 
 
+def _force_split(monkeypatch, lk, forward, shards, blocks):
+    """The automatic count run as this split (forward token shards, backward token shards, column blocks),
+    whatever the policy would pick at the test's small shapes."""
+    split = lk._tiling.Split(forward, shards, blocks)
+    monkeypatch.setattr(lk._tiling, "auto_num_shards", lambda x, intermediate=None: max(forward, shards))
+    monkeypatch.setattr(lk._tiling, "split_columns", lambda *args, **kwargs: split)
+
+
 @pytest.mark.parametrize(
-    "automatic_shards, forward, shards, blocks, sum_dtype",
+    "forward, shards, blocks, sum_dtype",
     [
-        (3, 3, 2, 2, torch.bfloat16),  # two token shards sum in bf16
-        (4, 3, 2, 2, torch.bfloat16),
-        (8, 6, 2, 4, torch.bfloat16),
-        (7, 6, 2, 4, torch.bfloat16),
-        (16, 12, 8, 2, torch.float32),  # more token shards: fp32 sums
+        (3, 2, 2, torch.bfloat16),  # two token shards sum in bf16
+        (4, 2, 2, torch.bfloat16),
+        (8, 2, 4, torch.bfloat16),
+        (6, 2, 4, torch.bfloat16),
+        (16, 8, 2, torch.float32),  # more token shards: fp32 sums
     ],
-    ids=["2 shards x 2 blocks (3)", "2 x 2 (4)", "2 x 4 (8)", "2 x 4 (7)", "8 x 2 (16)"],
+    ids=["2 shards x 2 blocks (3 fwd)", "2 x 2 (4)", "2 x 4 (8)", "2 x 4 (6)", "8 x 2 (16)"],
 )
-def test_bf16_column_blocks_within_the_contract(lk, monkeypatch, automatic_shards, forward, shards, blocks, sum_dtype):
+def test_bf16_column_blocks_within_the_contract(lk, monkeypatch, forward, shards, blocks, sum_dtype):
     """The automatic count run as fewer token shards of column blocks of I in backward, and as token shards of
     its own in forward: weight gradients within 1.5x the untiled bf16 error against float64, with bf16 sums
     over 2 token shards and fp32 sums over 8; d_x, whose blocks' products add in bf16, within 1.5x the untiled
     error too."""
-    monkeypatch.setattr(lk._tiling, "auto_num_shards", lambda x, intermediate=None: automatic_shards)
+    _force_split(monkeypatch, lk, forward, shards, blocks)
     blocked = _Spy(monkeypatch, lk._tiled_gated, "_blocked_backward")
     forwards = _Spy(monkeypatch, lk.tiled_mlp, "gated_mlp_forward")
     sums = _Spy(monkeypatch, lk._tiled_gated, "matmul_into")
@@ -474,11 +483,9 @@ def test_bf16_column_blocks_within_the_contract(lk, monkeypatch, automatic_shard
 )
 def test_float64_column_blocks_equal_untiled(lk, monkeypatch, frozen, x_grad, batch, intermediate, blocks):
     """Column blocks (automatic counts on the gated fast path): the gradients of x and of every trainable
-    weight and bias equal the untiled module's in float64, frozen ones stay None, and the blocked backward ran.
-    6 automatic shards run as 3 token shards of 2 blocks for float64 weights, or, where the policy takes the
-    weights' sums for narrow ones (as bf16's over 2 token shards), as 2 token shards of 4 blocks."""
-    if blocks == 4:
-        monkeypatch.setattr(lk._tiling, "narrow_sums", lambda num_shards, dtype: num_shards <= 2)
+    weight and bias equal the untiled module's in float64, frozen ones stay None, and the blocked backward ran:
+    6 automatic shards run as 3 token shards of 2 blocks, or as 2 token shards of 4 blocks."""
+    _force_split(monkeypatch, lk, 6, math.ceil(6 / blocks), blocks)
     blocked = _Spy(monkeypatch, lk._tiled_gated, "_blocked_backward")
     torch.manual_seed(0)
     module = GatedMLP(H, intermediate, bias=True).double()
@@ -491,18 +498,14 @@ def test_float64_column_blocks_equal_untiled(lk, monkeypatch, frozen, x_grad, ba
     assert max_abs_diff(tiled, untiled) < 1e-12
 
 
-@pytest.mark.parametrize("automatic_shards, split", [(6, (3, 2)), (6, (2, 4)), (1, None)], ids=["3 x 2", "2 x 4", "whole"])
-def test_the_backward_holds_one_blocks_buffers_at_a_time(lk, monkeypatch, automatic_shards, split):
+@pytest.mark.parametrize("split", [(3, 2), (2, 4), None], ids=["3 x 2", "2 x 4", "whole"])
+def test_the_backward_holds_one_blocks_buffers_at_a_time(lk, monkeypatch, split):
     """Each token shard's (or column block's) gate, up and d_hidden are freed before the next one's are made:
-    the backward's peak is one block's three buffers over the sums and d_x (a block's buffers kept alive into
-    the next block by a leftover name measured one block more on the H200). "whole": shards of whole
-    columns, as for tied projections or a narrow I."""
-    if split == (2, 4):
-        monkeypatch.setattr(lk._tiling, "narrow_sums", lambda num_shards, dtype: num_shards <= 2)
-    if split is None:
-        monkeypatch.setattr(lk._tiling, "split_columns", lambda num_shards, *args: lk._tiling.unsplit(num_shards))
-        automatic_shards, split = 4, (4, 1)
-    monkeypatch.setattr(lk._tiling, "auto_num_shards", lambda x, intermediate=None: automatic_shards)
+    the backward's peak is one block's three buffers over the sums and d_x (a leftover name that kept a
+    block's d_up alive into the next block made it four). "whole": shards of whole columns, as for tied
+    projections or a narrow I."""
+    split = (4, 1) if split is None else split
+    _force_split(monkeypatch, lk, 6, *split)
     original, earlier, calls = lk._tiled_gated.gated_recompute_backward, [], []
 
     def watched(d_hidden, gate, up, activation):
@@ -572,44 +575,77 @@ def test_tiling_counts_the_forwards_whole_shard_with_column_blocks(lk):
 
 @pytest.mark.shard_policy
 @pytest.mark.parametrize(
-    "num_shards, intermediate, expected",
+    "seq, hidden, intermediate, dtype, summed, expected",
     [
-        (8, 14336, (6, 2, 4)),  # Llama-8B at 32k: two token shards of 4 blocks sum in bf16, no fp32 sums
-        (5, 14336, (5, 2, 4)),
-        (16, 14336, (12, 8, 2)),  # at 64k: fp32 sums either way, 2 blocks (8 passes over the sums, not 16)
-        (32, 14336, (24, 16, 2)),
-        (4, 14336, (3, 2, 2)),  # at 16k: 4 blocks would leave one token shard
-        (3, 14336, (3, 2, 2)),
-        (2, 14336, (2, 2, 1)),
-        (1, 14336, (1, 1, 1)),  # untiled
-        (8, 8192, (6, 2, 4)),  # 2048 x 8192 at 16k: the activations of 8 shards, bf16 sums
-        (8, 6144, (6, 4, 2)),  # 3 blocks of 2048 columns would leave 3 token shards: 2 blocks
-        (16, 2816, (16, 16, 1)),  # blocks of 1408 columns: below MIN_BLOCK_COLUMNS
-        (8, None, (8, 8, 1)),  # not the gated fast path
+        (32768, 4096, 14336, torch.bfloat16, 3, (3, 2, 2)),  # Llama-8B at 32k: 2 token shards sum in bf16
+        (16384, 4096, 14336, torch.bfloat16, 3, (2, 2, 2)),
+        (65536, 4096, 14336, torch.bfloat16, 3, (4, 8, 2)),  # fp32 sums: 8 passes over them, not 16
+        (131072, 4096, 14336, torch.bfloat16, 3, (6, 16, 2)),
+        (1048576, 4096, 14336, torch.bfloat16, 3, (9, 50, 2)),  # the forward within d_x's 8 GiB
+        (8192, 4096, 14336, torch.bfloat16, 3, (2, 2, 1)),  # two shards sum in bf16 already: blocks only cost
+        (16384, 2048, 8192, torch.bfloat16, 3, (3, 2, 2)),
+        (16384, 8192, 28672, torch.bfloat16, 3, (2, 2, 1)),
+        (32768, 4096, 14336, torch.float16, 3, (3, 4, 2)),  # fp16 sums in fp32 over any count
+        (32768, 4096, 14336, torch.float32, 3, (3, 4, 2)),
+        (32768, 4096, 14336, torch.bfloat16, 0, (5, 8, 1)),  # frozen: no sums to spare passes over
+        (16384, 1024, 2816, torch.bfloat16, 3, (4, 16, 1)),  # blocks of 1408 columns: below the minimum
+        (16384, 1024, 4097, torch.bfloat16, 3, (4, 16, 1)),  # 2 aligned blocks: 2112 and 1985 columns
+        (32768, 4096, None, torch.bfloat16, 3, (8, 8, 1)),  # not the gated fast path
     ],
 )
-def test_column_block_split(lk, num_shards, intermediate, expected):
+def test_column_block_split(lk, seq, hidden, intermediate, dtype, summed, expected):
     assert lk._tiling.MIN_BLOCK_COLUMNS == 2048
-    assert lk._tiling.split_columns(num_shards, intermediate) == expected
+    num_shards = 16 if hidden == 1024 else min(math.ceil(seq / hidden), lk._tiling.MAX_AUTO_SHARDS)  # automatic
+    x_shape = torch.Size([1, seq, hidden])
+    assert lk._tiling.split_columns(num_shards, x_shape, intermediate, dtype, summed) == expected
+
+
+def _splits(lk, n, seq_len, batch, hidden, intermediate, dtype, summed):
+    """Every backward split the policy may take, as (shards, blocks, held bytes, cost): brute force over the
+    token shards."""
+    shape = (seq_len, batch, hidden, intermediate, dtype, summed)
+    yield n, 1, lk._tiling._held(n, intermediate, *shape), lk._tiling._split_cost(n, 1, *shape)
+    for blocks in lk._tiling.COLUMN_BLOCKS:
+        if blocks > intermediate:
+            continue
+        widths = [width for _, width in lk._tiling.column_bounds(intermediate, blocks)]
+        if min(widths) < lk._tiling.MIN_BLOCK_COLUMNS:
+            continue
+        for shards in range(2, n + 1):
+            yield (
+                shards,
+                blocks,
+                lk._tiling._held(shards, max(widths), *shape),
+                lk._tiling._split_cost(shards, blocks, *shape),
+            )
 
 
 @pytest.mark.shard_policy
-@pytest.mark.parametrize(
-    "num_shards, intermediate, dtype, expected",
-    [
-        (8, 14336, torch.float16, (6, 4, 2)),  # fp16 sums in fp32 over any count: 4 blocks would gain nothing
-        (8, 14336, torch.float32, (6, 4, 2)),
-        (4, 4097, torch.bfloat16, (4, 4, 1)),  # 2 aligned blocks: 2112 and 1985 columns, below the minimum
-        (8, 8193, torch.bfloat16, (6, 4, 2)),  # 4 aligned blocks would end in one of 1857 columns
-        (8, 8448, torch.bfloat16, (6, 2, 4)),  # 4 x 2112
-    ],
-)
-def test_column_block_split_reads_the_sums_dtype_and_the_narrowest_block(lk, num_shards, intermediate, dtype, expected):
-    assert lk._tiling.split_columns(num_shards, intermediate, dtype) == expected
-    split = lk._tiling.Split(*expected)
-    if split.blocks > 1:
-        widths = [width for _, width in lk._tiling.column_bounds(intermediate, split.blocks)]
-        assert min(widths) >= lk._tiling.MIN_BLOCK_COLUMNS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("summed, x_grad", [(3, True), (1, True), (0, True), (3, False)])
+def test_the_split_is_the_cheapest_within_the_automatic_counts_memory(lk, dtype, summed, x_grad):
+    """Over many shapes: the split taken holds no more in backward than the automatic count's whole-column
+    shards (one block's three activations and the sums), and no split that also fits is estimated cheaper
+    (checked by brute force over every token-shard count); blocks keep MIN_BLOCK_COLUMNS columns; the forward
+    takes the fewest token shards (2 to n) whose three activations hold no more than the backward does, d_x
+    included where x needs a gradient."""
+    for seq, batch, hidden, intermediate in itertools.product(
+        (5000, 16384, 32768, 65537, 131072, 300000), (1, 3), (1024, 2048, 4096, 8192), (2816, 4097, 8192, 14336, 28672)
+    ):
+        n = max(2, min(math.ceil(seq / hidden), lk._tiling.MAX_AUTO_SHARDS))
+        x_shape = torch.Size([batch, seq, hidden])
+        split = lk._tiling.split_columns(n, x_shape, intermediate, dtype, summed, x_grad)
+        candidates = list(_splits(lk, n, seq, batch, hidden, intermediate, dtype, summed))
+        budget = candidates[0][2]
+        held, cost = next((h, c) for s, b, h, c in candidates if (s, b) == (split.shards, split.blocks))
+        assert held <= budget
+        assert all(c >= cost for s, b, h, c in candidates if h <= budget), (x_shape, intermediate, split)
+        assert split.blocks == 1 or split.shards >= 2
+        room = held + (batch * seq * hidden * dtype.itemsize if x_grad else 0)
+        row_bytes = 3 * batch * intermediate * dtype.itemsize  # the forward's three activations, per token
+        assert 2 <= split.forward <= n
+        assert row_bytes * math.ceil(seq / split.forward) <= room or split.forward == n
+        assert split.forward == 2 or row_bytes * math.ceil(seq / (split.forward - 1)) > room
 
 
 @pytest.mark.parametrize(

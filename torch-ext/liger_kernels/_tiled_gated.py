@@ -60,6 +60,13 @@ def splits_columns(plan: GatedPlan) -> bool:
     return len({id(t) for t in tensors}) == len(tensors)
 
 
+def summed_weights(plan: GatedPlan, params) -> int:
+    """How many of the three projections' weights have gradients summed over the shards (among ``params``,
+    the tensors the call delivers gradients to; frozen ones have none)."""
+    delivered = {id(p) for p in params}
+    return sum(id(weight) in delivered for weight, _ in (plan.gate, plan.up, plan.down))
+
+
 def _mm_into(target, a, weight, bias):
     """target[..., :] = a @ weight^T (+ bias), the GEMM writing into target directly where its rows are
     contiguous."""

@@ -65,27 +65,35 @@ def auto_num_shards(x: torch.Tensor, intermediate: int | None = None) -> int:
 
 # The gated fast path's backward can also split I: everything between its recomputed GEMMs is elementwise in
 # the I columns, so a shard's backward may run in column blocks, holding gate, up and d_hidden for I / blocks
-# columns at a time. The weight-gradient sums are then read and written once per token shard, not per block:
-# each fp32-summed shard costs one pass over the three sums inside the weight-gradient GEMMs (3 H I x 8
-# bytes; 0.31 ms at the Llama-8B MLP on an H200: benchmarks/NOTES.md §17), and the sums themselves hold
-# twice the weights. So an automatic count of n shards runs its backward as fewer token shards of column
-# blocks, the same activations at a time (benchmarks/NOTES.md §18 has the measurements):
-# * four blocks where that leaves two token shards whose sums are bf16 (bf16 weights): no fp32 sums. The
-#   Llama-8B MLP at 32k held 1.27 GiB against 1.59 with 4 token shards of 2 blocks, 0-1.5% slower; the
-#   2048 x 8192 MLP at 16k 0.34 GiB against 0.44, 0-3% faster;
-# * else two blocks: the fp32 sums stay, and 4 blocks of twice the rows measured 1.5% slower than 2 at 64k
-#   and 128k;
-# * never one token shard of blocks: that was 1-3% slower than two token shards (one sum in bf16).
-# The forward accumulates nothing, so its split is free to differ: the fewest token shards whose gate, up
-# and output (3 activations) hold no more than one backward block's four, at most n.
+# columns at a time, while the weight-gradient sums are read and written once per token shard, not per block.
+# Low-precision weights sum in fp32 over more than two token shards (_grad_sums): the sums hold twice the
+# weights, and each token shard after the first costs a pass over them inside its weight-gradient GEMMs
+# (3 H I x 8 bytes; 0.31 ms at the Llama-8B MLP on an H200: benchmarks/NOTES.md §17). So an automatic count of
+# n shards is run as the split (token shards, column blocks) that is cheapest by ``_split_cost`` among those
+# whose backward holds no more than n whole-column shards would (``_held``: one block's three activations and
+# the sums): the memory goal of the count itself, met with fewer passes. Never one token shard of blocks:
+# that measured 1-3% slower than two token shards (benchmarks/NOTES.md §18).
+# The forward accumulates nothing, so its split is free to differ: the fewest token shards (at least two, at
+# most n) whose gate, up and activation output hold no more than the backward holds at its peak, the block's
+# three and the sums, plus d_x where x needs a gradient (the forward's output and the backward's incoming
+# gradient are alike): the forward then adds nothing to the call's peak, with fewer, larger GEMMs (at 32k,
+# 3 forward shards took 63.9-64.1 ms where 4 took 64.1-64.4: benchmarks/NOTES.md §19).
 # At most four blocks: d_x adds the blocks' two GEMM products each in the gradient's own dtype, and its error
 # against float64 grows with their number (bf16, measured on CPU: 0.97x the untiled error at 2 blocks, 1.05x
 # at 4, 1.20x at 8, 1.45x at 16; the contract is 1.5x). Each block's GEMMs keep at least MIN_BLOCK_COLUMNS
 # columns (the last, narrower one included), and blocks start on multiples of BLOCK_ALIGN columns where I
 # allows it, so that every block's leading dimensions stay aligned for the tensor cores.
 MIN_BLOCK_COLUMNS = 2048
-MAX_COLUMN_BLOCKS = 4
+COLUMN_BLOCKS = (2, 4)
 BLOCK_ALIGN = 64
+# The cost estimate's rates and the blocks' price, from the H200 (benchmarks/NOTES.md §18, §19): a pass over
+# the sums runs at copy bandwidth; column blocks cost a share of the MLP's own GEMM time (narrower GEMMs, and
+# d_x's products added block by block): four blocks 3.4% more than two (4 x 4 against 8 x 2 at 64k, 8 x 4
+# against 16 x 2 at 128k, 2 x 4 against 2 x 2 at 32k, each pair in one run), two blocks 0.7% more than whole
+# columns (16 x 1 against 8 x 2 at 64k and 128k across runs).
+COPY_BYTES_PER_S = 4.2e12
+GEMM_FLOPS_PER_S = 7.0e14
+BLOCK_COST = {1: 0.0, 2: 0.007, 4: 0.041}
 
 
 class Split(NamedTuple):
@@ -101,17 +109,68 @@ def unsplit(num_shards: int) -> Split:
     return Split(num_shards, num_shards, 1)
 
 
-def split_columns(num_shards: int, intermediate: int | None, weight_dtype=torch.bfloat16) -> Split:
-    """How the gated fast path runs an automatic count of ``num_shards`` for an MLP with ``intermediate``
-    columns (None: not that path, no blocks) and weights of ``weight_dtype``: see the comment above."""
-    if intermediate is None:
+def split_columns(
+    num_shards: int, x_shape, intermediate: int | None, weight_dtype=torch.bfloat16, summed=3, x_grad=True
+) -> Split:
+    """How the gated fast path runs an automatic count of ``num_shards`` for x of ``x_shape`` through an MLP
+    with ``intermediate`` columns (None: not that path, no blocks), weights of ``weight_dtype`` (x's too),
+    ``summed`` trainable projections, and x needing a gradient or not (``x_grad``): see the comment above.
+    Shapes only: the same on every rank."""
+    if intermediate is None or num_shards < 2:
         return unsplit(num_shards)
-    for blocks in (MAX_COLUMN_BLOCKS, 2):
-        shards = math.ceil(num_shards / blocks)
-        narrowest = min(width for _, width in column_bounds(intermediate, blocks)) if blocks <= intermediate else 0
-        if narrowest >= MIN_BLOCK_COLUMNS and 2 <= shards and (blocks == 2 or narrow_sums(shards, weight_dtype)):
-            return Split(min(num_shards, math.ceil(3 * shards * blocks / 4)), shards, blocks)
-    return unsplit(num_shards)
+    batch = math.prod(x_shape[:-2])
+    shape = (x_shape[-2], batch, x_shape[-1], intermediate, weight_dtype, summed)
+    return _best_split(num_shards, *shape, bool(x_grad))
+
+
+def _sums_dtype(shards, dtype) -> torch.dtype:
+    return dtype if narrow_sums(shards, dtype) else torch.promote_types(dtype, torch.float32)
+
+
+def _held(shards, width, seq_len, batch, hidden, intermediate, dtype, summed) -> int:
+    """Bytes the backward holds beyond what untiled holds too: one block's gate, up and d_hidden (``width``
+    columns of a shard's rows), and the weight-gradient sums over ``shards`` token shards."""
+    activations = 3 * batch * math.ceil(seq_len / shards) * width * dtype.itemsize
+    return activations + summed * hidden * intermediate * _sums_dtype(shards, dtype).itemsize
+
+
+def _split_cost(shards, blocks, seq_len, batch, hidden, intermediate, dtype, summed) -> float:
+    """Seconds a split adds to the backward, estimated: every token shard's GEMMs but the first read and
+    write the sums (the first writes them), and the blocks' share of the GEMM time."""
+    one_pass = summed * hidden * intermediate * 2 * _sums_dtype(shards, dtype).itemsize / COPY_BYTES_PER_S
+    gemms = 18 * batch * seq_len * hidden * intermediate / GEMM_FLOPS_PER_S  # 9 GEMM-units of 2 S H I flops
+    return (shards - 0.5) * one_pass + BLOCK_COST[blocks] * gemms
+
+
+@functools.lru_cache(maxsize=256)
+def _best_split(n, seq_len, batch, hidden, intermediate, dtype, summed, x_grad) -> Split:
+    shape = (seq_len, batch, hidden, intermediate, dtype, summed)
+    budget = _held(n, intermediate, *shape)
+    best, best_cost, best_width = (n, 1), _split_cost(n, 1, *shape), intermediate
+    for blocks in COLUMN_BLOCKS:
+        widths = [width for _, width in column_bounds(intermediate, blocks)] if blocks <= intermediate else [0]
+        if min(widths) < MIN_BLOCK_COLUMNS:
+            continue
+        width = max(widths)
+        shards = 2
+        if _held(2, width, *shape) > budget:  # more token shards, whose sums are wide: the fewest that fit
+            wide = summed * hidden * intermediate * _sums_dtype(3, dtype).itemsize
+            rows = (budget - wide) // (3 * batch * width * dtype.itemsize)  # per shard, at most
+            if rows <= 0:
+                continue
+            shards = max(3, math.ceil(seq_len / rows))
+            while shards <= n and _held(shards, width, *shape) > budget:  # ceil's rounding
+                shards += 1
+            if shards > n:
+                continue
+        cost = _split_cost(shards, blocks, *shape)
+        if cost < best_cost:
+            best, best_cost, best_width = (shards, blocks), cost, width
+    # the forward's shards: 3 activations of ceil(S / f) rows within what the backward holds (comment above)
+    room = _held(best[0], best_width, *shape) + (batch * seq_len * hidden * dtype.itemsize if x_grad else 0)
+    rows = room // (3 * batch * intermediate * dtype.itemsize)
+    forward = n if rows <= 0 else min(n, max(2, math.ceil(seq_len / rows)))
+    return Split(forward, *best)
 
 
 def column_bounds(columns: int, blocks: int) -> list[tuple]:
@@ -260,8 +319,9 @@ def tiling_pays(
     ``summed``: how many of the three projections have gradients to sum (the frozen ones have none).
 
     Untiled, gate, up and the activation's output (the down projection's input) live from forward to
-    backward, and backward adds d_hidden: about 4 x tokens x I activations. Tiled, the backward holds the same
-    four for one column block (of ``blocks``) of one token shard (of ``num_shards``) at a time, and the
+    backward, and backward adds d_hidden: about 4 x tokens x I activations. Tiled, the backward holds gate, up and
+    d_hidden (the fused pass writes the gradients over them) for one column block (of ``blocks``) of one
+    token shard (of ``num_shards``) at a time, and the
     forward gate, up and the output for one of its ``forward_shards`` (default: ``num_shards``) token shards:
     the larger of the two counts. Low-precision weights add fp32 gradient sums for the three projections (3 x
     H x I x 4 bytes; fp32 weights, and bf16 ones over at most MAX_NARROW_SUM_SHARDS token shards, sum in their
@@ -271,7 +331,7 @@ def tiling_pays(
     if forward <= 1:
         return False
     per_activation = tokens * intermediate * itemsize
-    held = max(3.0 / forward, 4.0 / (num_shards * blocks))
+    held = max(3.0 / forward, 3.0 / (num_shards * blocks))
     saved = per_activation * (4.0 - held)
     if weight_dtype is None:
         weight_dtype = torch.bfloat16 if itemsize == 2 else torch.float32

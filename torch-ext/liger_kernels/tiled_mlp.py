@@ -28,7 +28,7 @@ import torch
 
 from . import _backend, _replay, _tiling, _zero3
 from ._grad_sums import accumulate, cast_each, narrow_sums
-from ._tiled_gated import gated_mlp_backward, gated_mlp_forward, gated_plan, splits_columns
+from ._tiled_gated import gated_mlp_backward, gated_mlp_forward, gated_plan, splits_columns, summed_weights
 
 OP = _tiling.OP
 
@@ -84,7 +84,8 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     shards = _tiling.unsplit(num_shards)
     plan = gated_plan(fn, mlp_module, x, params) if requested is None else None
     if plan is not None and splits_columns(plan):
-        shards = _tiling.split_columns(num_shards, intermediate, plan.gate[0].dtype)
+        summed = summed_weights(plan, params)
+        shards = _tiling.split_columns(num_shards, x.shape, intermediate, plan.gate[0].dtype, summed, x.requires_grad)
     if (
         tile is None
         and requested is None
@@ -293,7 +294,9 @@ class LigerTiledMLPFunction(torch.autograd.Function):
             intermediate = intermediate_size(mlp_module)
             split = _tiling.unsplit(_tiling.num_shards_for(None, x, layout.agree, intermediate))
             if ctx.gated is not None and splits_columns(ctx.gated):
-                split = _tiling.split_columns(split.forward, intermediate, ctx.gated.gate[0].dtype)
+                summed = summed_weights(ctx.gated, ctx.params + ctx.zero3_params)
+                dtype = ctx.gated.gate[0].dtype
+                split = _tiling.split_columns(split.forward, x.shape, intermediate, dtype, summed, x.requires_grad)
         if ctx.gated is None:  # column blocks and a backward split of their own: the fast path's only
             split = _tiling.unsplit(split.forward)
         ctx.blocks = split.blocks
