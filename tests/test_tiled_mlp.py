@@ -130,10 +130,11 @@ def test_automatic_shard_count_keeps_a_minimum_of_gemm_work_per_shard(lk, hidden
     assert lk.tiled_mlp.intermediate_size(mlp) == intermediate
 
 
-def test_frozen_engine_parameters_make_ranks_agree_on_the_shard_count(lk, monkeypatch):
+@pytest.mark.parametrize("seq, count", [(3 * H, 3), (H // 2, 1)])
+def test_frozen_engine_parameters_make_ranks_agree_on_the_shard_count(lk, monkeypatch, seq, count):
     """ZeRO-3 gathers frozen parameters per shard too (LoRA on attention only leaves the MLP frozen): such a
     module still counts as gathered per shard, so the automatic count is agreed across ranks and the call
-    always tiles, whatever this rank's tokens."""
+    always tiles, whatever this rank's tokens (one automatic shard here too: another rank may have more)."""
     mlp = GatedMLP(H, 128).double()
     for p in mlp.parameters():
         p.requires_grad_(False)
@@ -146,16 +147,18 @@ def test_frozen_engine_parameters_make_ranks_agree_on_the_shard_count(lk, monkey
         return count
 
     monkeypatch.setattr(lk._tiling, "harmonize_num_shards", harmonize)
-    x = torch.randn(1, 3 * H, H, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(1, seq, H, dtype=torch.float64, requires_grad=True)
     out = lk.apply_tiled_mlp(call, mlp, x)
     (d_x,) = torch.autograd.grad(out.sum(), x)
     x_ref = x.detach().requires_grad_()
-    assert agreed == [3] and torch.allclose(d_x, torch.autograd.grad(mlp(x_ref).sum(), x_ref)[0], atol=1e-12)
+    assert agreed == [count] and torch.allclose(d_x, torch.autograd.grad(mlp(x_ref).sum(), x_ref)[0], atol=1e-12)
 
 
-def test_one_automatic_shard_runs_untiled(lk):
+def test_one_automatic_shard_runs_untiled(lk, monkeypatch):
     """Any fn: where the automatic count is one shard, the call is the plain fn, once (tiling would only add the
-    recompute and the tiled call's host cost); an explicit num_shards=1 still tiles, and recomputes."""
+    recompute and the tiled call's host cost), made before the checks that only a tiled call needs; an
+    explicit num_shards=1 still tiles, and recomputes."""
+    checks = _Spy(monkeypatch, lk._tiling, "untiled_reason")
     calls = []
 
     def counting(module, shard):
@@ -165,7 +168,7 @@ def test_one_automatic_shard_runs_untiled(lk):
     mlp = GatedMLP(H, 128).double()
     x = torch.randn(1, H // 2, H, dtype=torch.float64, requires_grad=True)  # ceil(S / H) = 1
     lk.apply_tiled_mlp(counting, mlp, x).sum().backward()
-    assert calls == [H // 2]
+    assert calls == [H // 2] and checks.calls == []
     calls.clear()
     lk.apply_tiled_mlp(counting, mlp, x, num_shards=1).sum().backward()
     assert calls == [H // 2, H // 2]

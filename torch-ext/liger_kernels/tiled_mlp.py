@@ -76,10 +76,15 @@ def apply_tiled_mlp(
 def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     found = _tiling.structure(mlp_module)
     params = trainable_params(mlp_module, compute_params, found)
+    intermediate = intermediate_size(mlp_module)
+    # One automatic shard, where no engine gathers parameters (whose layouts may tile or agree on a count
+    # across ranks): every branch below would make the plain call, so make it without the checks.
+    one_shard = tile is None and requested is None and _tiling.auto_num_shards(x, intermediate) <= 1
+    if one_shard and not _tiling.engine_managed(found, params):
+        return fn(mlp_module, x)
     if _tiling.untiled_reason(mlp_module, x, params, found) is not None:
         return fn(mlp_module, x)
     layout = _layout(fn, mlp_module, x, params, found)
-    intermediate = intermediate_size(mlp_module)
     num_shards = _tiling.num_shards_for(requested, x, layout.agree, intermediate)
     shards = _tiling.unsplit(num_shards)
     plan = gated_plan(fn, mlp_module, x, params) if requested is None else None
