@@ -12,6 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import DropoutGatedMLP, GatedMLP, call, max_abs_diff, rel_err, tiled_and_untiled_grads
 
@@ -649,6 +652,138 @@ def test_the_split_is_the_cheapest_within_the_automatic_counts_memory(lk, dtype,
         assert 2 <= split.forward <= n
         assert row_bytes * math.ceil(seq / split.forward) <= room or split.forward == n
         assert split.forward == 2 or row_bytes * math.ceil(seq / (split.forward - 1)) > room
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by the storages that the ops run under it create (on meta tensors nothing
+    runs), a storage counted until its last tensor is gone."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _forget_freed(self):
+        for key in [key for key, (ref, _) in self.live.items() if ref.expired()]:
+            self.now -= self.live.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._forget_freed()
+        before = {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage._cdata not in before and storage._cdata not in self.live:
+                    self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+                    self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        self._forget_freed()
+        return out
+
+
+def _measured_peaks(lk, module, x, d_out, split):
+    """Bytes the fast path's forward holds beyond its output, and its backward beyond d_x, run as ``split``."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    projections = [getattr(module, name) for name in ("gate_proj", "up_proj", "down_proj")]
+    plan = lk._tiled_gated.GatedPlan(lk.activations.REGISTRY["silu"], *[(p.weight, p.bias) for p in projections])
+    bounds = [lk._tiling.shard_bounds(x.shape[-2], count) for count in (split.forward, split.shards)]
+    with torch.no_grad(), _LiveBytes() as forward:
+        out = lk._tiled_gated.gated_mlp_forward(plan, x, bounds[0])
+    held_forward = forward.peak - out.untyped_storage().nbytes()
+    del out
+    with torch.no_grad(), _LiveBytes() as backward:
+        lk._tiled_gated.gated_mlp_backward(plan, params, bounds[1], x, d_out, x.requires_grad, split.blocks)
+    return held_forward, backward.peak - (x.untyped_storage().nbytes() if x.requires_grad else 0)
+
+
+@pytest.mark.shard_policy
+@pytest.mark.parametrize(
+    "batch, seq, hidden, intermediate, dtype, frozen, x_grad",
+    [
+        (1, 32768, 4096, 14336, torch.bfloat16, 0, True),  # Llama-8B at 32k: 2 x 2 blocks
+        (1, 65536, 4096, 14336, torch.bfloat16, 0, True),
+        (1, 32768, 4096, 14336, torch.bfloat16, 0, False),
+        (1, 32768, 4096, 14336, torch.float32, 0, True),
+        (1, 32768, 4096, 14336, torch.bfloat16, 3, True),  # frozen: whole columns
+        (1, 16384, 2048, 8192, torch.bfloat16, 0, True),
+        (1, 16384, 8192, 28672, torch.bfloat16, 0, True),
+        (2, 32768, 4096, 14336, torch.bfloat16, 0, True),  # a batch: its shards' rows are copied
+        (2, 32768, 8192, 8192, torch.bfloat16, 0, True),
+        (4, 65536, 8192, 8192, torch.bfloat16, 0, True),
+        (3, 20000, 2048, 8192, torch.float16, 1, False),
+    ],
+)
+def test_the_split_holds_no_more_than_whole_columns(
+    lk, monkeypatch, batch, seq, hidden, intermediate, dtype, frozen, x_grad
+):
+    """Counted op by op on meta tensors with the CUDA path's allocations (the fused passes write over their
+    inputs, the GEMMs sum into fp32 directly): the chosen split's backward holds no more than the automatic
+    count's whole-column shards, the model (``_held``) is an upper bound of both, and the forward holds no more
+    than the backward does with d_x."""
+    monkeypatch.setattr(lk._tiled_gated, "gated_forward", lambda gate, up, activation: torch.empty_like(gate))
+    monkeypatch.setattr(lk._tiled_gated, "gated_recompute_backward", lambda d_hidden, gate, up, activation: d_hidden)
+    monkeypatch.setattr(lk._grad_sums, "_mm_widens", lambda device, into=False: True)
+    with torch.device("meta"):
+        module = GatedMLP(hidden, intermediate).to(dtype)
+        x = torch.empty(batch, seq, hidden, dtype=dtype, requires_grad=x_grad)
+        d_out = torch.empty(batch, seq, hidden, dtype=dtype)
+    for name in ("gate_proj", "up_proj", "down_proj")[:frozen]:
+        getattr(module, name).weight.requires_grad_(False)
+    n = lk._tiling.auto_num_shards(x, intermediate)
+    split = lk._tiling.split_columns(n, x.shape, intermediate, dtype, 3 - frozen, x_grad)
+    shape = (seq, batch, hidden, intermediate, dtype, 3 - frozen)
+    forward, backward = _measured_peaks(lk, module, x, d_out, split)
+    _, whole = _measured_peaks(lk, module, x, d_out, lk._tiling.unsplit(n))
+    width = max(w for _, w in lk._tiling.column_bounds(intermediate, split.blocks))
+    assert backward <= whole <= lk._tiling._held(n, intermediate, *shape)
+    assert backward <= lk._tiling._held(split.shards, width, *shape)
+    assert forward <= backward + (x.untyped_storage().nbytes() if x_grad else 0)
+
+
+def test_the_backward_block_holds_three_activations(lk):
+    """tiling_pays counts one block's gate, up and d_hidden (the fused pass writes the gradients over them):
+    at 3 token shards of 2 blocks (6 forward shards) tokens = 1.75 H saves more than three fp32 sums cost,
+    1.7 H does not (counting four activations a block, 1.75 H would not either)."""
+    args = (1000, 4096, 2, 3, torch.bfloat16, 3)
+    assert lk._tiling.tiling_pays(1750, *args, blocks=2, forward_shards=6)
+    assert not lk._tiling.tiling_pays(1700, *args, blocks=2, forward_shards=6)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+@pytest.mark.parametrize("intermediate, seq", [(0, 8 * H), (160, 0)])
+def test_an_empty_mlp_or_input_tiles_as_the_plain_module(lk, intermediate, seq):
+    """I = 0 or S = 0: nothing to split; the call gives the plain module's output and gradients."""
+    module = GatedMLP(H, intermediate).double()
+    x = torch.randn(2, seq, H, dtype=torch.float64, requires_grad=True)
+    tiled, untiled = tiled_and_untiled_grads(lk, module, x, None, fn=lk.gated_mlp.swiglu_mlp)
+    assert max_abs_diff(tiled, untiled) == 0
+
+
+def test_the_call_asks_the_policy_with_its_own_shapes(lk, monkeypatch):
+    """Both callers (the layers through apply_tiled_mlp, and the Function applied directly) hand the policy
+    x's whole shape, the weights' dtype, how many projections are trainable and whether x needs a gradient,
+    and run the split it returns."""
+    asked, original = [], lk._tiling.split_columns
+
+    def spy(*args):
+        asked.append(args)
+        return lk._tiling.Split(3, 2, 2)
+
+    monkeypatch.setattr(lk._tiling, "split_columns", spy)
+    monkeypatch.setattr(lk._tiling, "auto_num_shards", lambda x, intermediate=None: 5)
+    blocked = _Spy(monkeypatch, lk._tiled_gated, "_blocked_backward")
+    torch.manual_seed(0)
+    module = GatedMLP(H, 160).double()
+    module.up_proj.weight.requires_grad_(False)
+    for x_grad in (True, False):
+        x = torch.randn(2, 3 * H, H, dtype=torch.float64, requires_grad=x_grad)
+        lk.LigerTiledSwiGLUMLP.forward(module, x).sum().backward()
+        params = [p for p in module.parameters() if p.requires_grad]
+        fn = lk.gated_mlp.swiglu_mlp
+        lk.LigerTiledMLPFunction.apply(fn, module, x, None, [], None, *params).sum().backward()
+    assert asked == [(5, x.shape, 160, torch.float64, 2, grad) for grad in (True, True, False, False)]
+    assert [(len(call[2]), call[-1]) for call in blocked.calls] == [(2, 2)] * 4
+    assert original is not spy
 
 
 @pytest.mark.parametrize(

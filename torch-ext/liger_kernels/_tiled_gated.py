@@ -132,8 +132,8 @@ def gated_mlp_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks
         if want_x:
             _d_x_into(d_x.narrow(-2, start, length), ((d_gate, w_gate), (d_up, w_up)), first=True)
         # before the next shard allocates its own: one shard's buffers at a time (d_proj, the loop's name,
-        # would otherwise keep d_up alive into the next shard)
-        del d_gate, d_up, d_proj
+        # would otherwise keep d_up alive into the next shard; rows and d_rows are copies in a batch)
+        del d_gate, d_up, d_proj, rows, d_rows
     return d_x, cast_each(sums, params)
 
 
@@ -203,6 +203,7 @@ def _blocked_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks)
             if want_x:
                 _d_x_into(d_x.narrow(-2, start, length), ((d_gate, w_g), (d_up, w_u)), first=k == 0)
             del d_gate, d_up, d_proj  # one block's buffers at a time, as above
+        del rows, d_rows
     sums = [None] * len(params)
     for tensor, total in ((w_gate, sum_gate), (w_up, sum_up), (b_gate, sum_b_gate), (b_up, sum_b_up),
                           (b_down, sum_b_down)):  # fmt: skip

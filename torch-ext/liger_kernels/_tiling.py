@@ -116,9 +116,9 @@ def split_columns(
     with ``intermediate`` columns (None: not that path, no blocks), weights of ``weight_dtype`` (x's too),
     ``summed`` trainable projections, and x needing a gradient or not (``x_grad``): see the comment above.
     Shapes only: the same on every rank."""
-    if intermediate is None or num_shards < 2:
-        return unsplit(num_shards)
     batch = math.prod(x_shape[:-2])
+    if intermediate is None or num_shards < 2 or min(intermediate, batch, x_shape[-2], x_shape[-1]) <= 0:
+        return unsplit(num_shards)  # nothing to split (an empty MLP or input: every layout is exact)
     shape = (x_shape[-2], batch, x_shape[-1], intermediate, weight_dtype, summed)
     return _best_split(num_shards, *shape, bool(x_grad))
 
@@ -128,10 +128,39 @@ def _sums_dtype(shards, dtype) -> torch.dtype:
 
 
 def _held(shards, width, seq_len, batch, hidden, intermediate, dtype, summed) -> int:
-    """Bytes the backward holds beyond what untiled holds too: one block's gate, up and d_hidden (``width``
-    columns of a shard's rows), and the weight-gradient sums over ``shards`` token shards."""
-    activations = 3 * batch * math.ceil(seq_len / shards) * width * dtype.itemsize
-    return activations + summed * hidden * intermediate * _sums_dtype(shards, dtype).itemsize
+    """Bytes the blocked (or whole-column) backward holds at its peak beyond d_x: one block's gate, up and
+    d_hidden (``width`` columns of a shard's rows), and the weight-gradient sums over ``shards`` token shards.
+    A shard of a batch (batch > 1) is no single block of rows: x's and d_out's rows are copied for its GEMMs,
+    and d_x's products are added in a copy of its rows, which coexists with two of the three activations
+    (the d_hidden buffer is freed by then). The peak may also come after the shards, when the gradients are
+    cast from the sums."""
+    rows = batch * math.ceil(seq_len / shards)
+    block, copy = rows * width * dtype.itemsize, (rows * hidden * dtype.itemsize if batch > 1 else 0)
+    sums = summed * hidden * intermediate * _sums_dtype(shards, dtype).itemsize
+    # after the shards: one weight's gradient in the parameters' dtype is made while the sums still exist
+    last = hidden * intermediate * dtype.itemsize if summed else 0
+    return sums + max(3 * block + 2 * copy, 2 * block + 3 * copy, last)
+
+
+def _forward_held(shards, seq_len, batch, hidden, intermediate, dtype) -> int:
+    """Bytes the forward holds at its peak beyond its output: a shard's gate, up and activation output, and
+    for a batch the copy of x's rows (later the down projection's product, copied into the output)."""
+    rows = batch * math.ceil(seq_len / shards)
+    act, copy = rows * intermediate * dtype.itemsize, (rows * hidden * dtype.itemsize if batch > 1 else 0)
+    return max(3 * act + copy, act + 2 * copy)
+
+
+def _fewest(low, high, fits) -> int | None:
+    """The least count in [low, high] for which ``fits`` (false below it, true from it on), or None."""
+    if low > high or not fits(high):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def _split_cost(shards, blocks, seq_len, batch, hidden, intermediate, dtype, summed) -> float:
@@ -152,25 +181,22 @@ def _best_split(n, seq_len, batch, hidden, intermediate, dtype, summed, x_grad) 
         if min(widths) < MIN_BLOCK_COLUMNS:
             continue
         width = max(widths)
-        shards = 2
-        if _held(2, width, *shape) > budget:  # more token shards, whose sums are wide: the fewest that fit
-            wide = summed * hidden * intermediate * _sums_dtype(3, dtype).itemsize
-            rows = (budget - wide) // (3 * batch * width * dtype.itemsize)  # per shard, at most
-            if rows <= 0:
-                continue
-            shards = max(3, math.ceil(seq_len / rows))
-            while shards <= n and _held(shards, width, *shape) > budget:  # ceil's rounding
-                shards += 1
-            if shards > n:
-                continue
+
+        # Two token shards (whose sums may be narrow), else the fewest of three or more, whose sums are wide
+        # and whose held bytes only fall as the count grows.
+        def fits(shards, width=width):
+            return _held(shards, width, *shape) <= budget
+
+        shards = 2 if fits(2) else _fewest(3, n, fits)
+        if shards is None:
+            continue
         cost = _split_cost(shards, blocks, *shape)
         if cost < best_cost:
             best, best_cost, best_width = (shards, blocks), cost, width
-    # the forward's shards: 3 activations of ceil(S / f) rows within what the backward holds (comment above)
+    # the forward's shards: the fewest whose activations fit in what the backward holds (comment above)
     room = _held(best[0], best_width, *shape) + (batch * seq_len * hidden * dtype.itemsize if x_grad else 0)
-    rows = room // (3 * batch * intermediate * dtype.itemsize)
-    forward = n if rows <= 0 else min(n, max(2, math.ceil(seq_len / rows)))
-    return Split(forward, *best)
+    forward = _fewest(2, n, lambda f: _forward_held(f, *shape[:-1]) <= room)
+    return Split(n if forward is None else forward, *best)
 
 
 def column_bounds(columns: int, blocks: int) -> list[tuple]:
