@@ -1,7 +1,7 @@
 """Llama-8B MLP (H 4096, I 14336, bf16, batch 1), forward + backward, on the GPU: time and extra peak memory
 over what was allocated before the step (weight and input gradients included), for eager PyTorch,
 torch.compile of it, this package's fused and tiled layers, and the peer liger-kernel's (when its wheel is
-importable). Beyond 65,536 tokens only the tiled MLPs run (the point of tiling).
+importable). Beyond 131,072 tokens only the tiled MLPs run (the point of tiling).
 
     python benchmarks/suite/bench_mlp.py [--seqs 8192,32768,65536,131072,1048576] [--out OUT.json]
     python benchmarks/suite/bench_mlp.py --device cpu --quick     # smoke test of the code, no GPU
@@ -22,7 +22,7 @@ import timing
 
 HIDDEN, INTERMEDIATE = 4096, 14336
 SEQS = (8192, 32768, 65536, 131072, 1048576)
-UNTILED_MAX_SEQ = 65536
+UNTILED_MAX_SEQ = 131072
 # The smoke test's MLP is far below the automatic count's minimum shard: its tiled rows ask for 2 shards.
 QUICK = {"hidden": 32, "intermediate": 64, "seqs": (64, 256), "untiled_max_seq": 64, "num_shards": 2}
 

@@ -64,10 +64,12 @@ def _mlp_rows(results):
 
 
 def tiled_ratio(mlp, seq):
-    """Tiled time over the faster untiled MLP (fused or peer fused); past 65,536 tokens, over the 65,536-token
-    one times S / 65,536. None where a figure is missing."""
+    """Tiled time over the faster untiled MLP (fused or peer fused) at the same S; where no untiled MLP ran
+    at S (past 131,072 tokens; 65,536 in runs before 2026-12-01j), over the 65,536-token one times S / 65,536.
+    None where a figure is missing."""
     tiled = mlp.get((seq, "tiled"))
-    base_seq, factor = (seq, 1) if seq <= 65536 else (65536, seq // 65536)
+    measured = any((seq, k) in mlp for k in ("fused", "peer fused"))
+    base_seq, factor = (seq, 1) if measured or seq <= 65536 else (65536, seq // 65536)
     untiled = [mlp[(base_seq, k)]["ms"] for k in ("fused", "peer fused") if (base_seq, k) in mlp]
     if tiled is None or not untiled:
         return None
