@@ -633,8 +633,8 @@ def test_the_split_is_the_cheapest_within_the_automatic_counts_memory(lk, dtype,
     """Over many shapes: the split taken holds no more in backward than the automatic count's whole-column
     shards (one block's three activations and the sums), and no split that also fits is estimated cheaper
     (checked by brute force over every token-shard count); blocks keep MIN_BLOCK_COLUMNS columns; the forward
-    takes the fewest token shards (2 to n) whose three activations hold no more than the backward does, d_x
-    included where x needs a gradient."""
+    takes the fewest token shards (2 to n) that hold no more than the backward does, d_x included where x
+    needs a gradient (the held models themselves: test_the_split_holds_no_more_than_whole_columns)."""
     for seq, batch, hidden, intermediate in itertools.product(
         (5000, 16384, 32768, 65537, 131072, 300000), (1, 3), (1024, 2048, 4096, 8192), (2816, 4097, 8192, 14336, 28672)
     ):
@@ -648,10 +648,12 @@ def test_the_split_is_the_cheapest_within_the_automatic_counts_memory(lk, dtype,
         assert all(c >= cost for s, b, h, c in candidates if h <= budget), (x_shape, intermediate, split)
         assert split.blocks == 1 or split.shards >= 2
         room = held + (batch * seq * hidden * dtype.itemsize if x_grad else 0)
-        row_bytes = 3 * batch * intermediate * dtype.itemsize  # the forward's three activations, per token
+        forward_held = [None] + [
+            lk._tiling._forward_held(f, seq, batch, hidden, intermediate, dtype) for f in range(1, n + 1)
+        ]
         assert 2 <= split.forward <= n
-        assert row_bytes * math.ceil(seq / split.forward) <= room or split.forward == n
-        assert split.forward == 2 or row_bytes * math.ceil(seq / (split.forward - 1)) > room
+        assert forward_held[split.forward] <= room or split.forward == n
+        assert split.forward == 2 or forward_held[split.forward - 1] > room
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -757,6 +759,32 @@ def test_an_empty_mlp_or_input_tiles_as_the_plain_module(lk, intermediate, seq):
     x = torch.randn(2, seq, H, dtype=torch.float64, requires_grad=True)
     tiled, untiled = tiled_and_untiled_grads(lk, module, x, None, fn=lk.gated_mlp.swiglu_mlp)
     assert max_abs_diff(tiled, untiled) == 0
+
+
+def test_a_fast_path_declared_for_a_module_without_the_projections_takes_the_generic_path(lk):
+    """An fn declaring the fast path for a module without gate_proj, up_proj and down_proj (Phi-3's fused
+    gate_up_proj): the generic recompute calls fn, and the call equals the plain module, at any shard count."""
+
+    class FusedGateUp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Linear(H, 2 * 96, bias=False)
+            self.down_proj = torch.nn.Linear(96, H, bias=False)
+
+        def forward(self, x):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(torch.nn.functional.silu(gate) * up)
+
+    def fn(module, x):
+        return module(x)
+
+    fn.tiled_fast_path = lambda module: lk.activations.REGISTRY["silu"]
+    torch.manual_seed(0)
+    module = FusedGateUp().double()
+    for seq in (H // 2, 3 * H):  # one automatic shard, and three
+        x = torch.randn(2, seq, H, dtype=torch.float64, requires_grad=True)
+        tiled, untiled = tiled_and_untiled_grads(lk, module, x, None, fn=fn)
+        assert max_abs_diff(tiled, untiled) < 1e-12
 
 
 def test_the_call_asks_the_policy_with_its_own_shapes(lk, monkeypatch):

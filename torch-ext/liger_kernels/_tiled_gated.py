@@ -42,8 +42,10 @@ def gated_plan(fn, mlp_module, x, params) -> GatedPlan | None:
     activation = declare(mlp_module)
     if activation is None:
         return None
-    projections = [getattr(mlp_module, name) for name in _PROJECTIONS]
-    weights = [(p.weight, p.bias) for p in projections]
+    projections = [getattr(mlp_module, name, None) for name in _PROJECTIONS]
+    if not all(isinstance(getattr(p, "weight", None), torch.Tensor) for p in projections):
+        return None  # a declaration for a module without the three projections: the generic path calls fn
+    weights = [(p.weight, getattr(p, "bias", None)) for p in projections]
     tensors = [t for pair in weights for t in pair if t is not None]
     if any(t.dtype != x.dtype or t.device != x.device for t in tensors):
         return None
