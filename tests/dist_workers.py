@@ -45,13 +45,17 @@ def gloo_group(rank, world, port, seconds=60, backend="gloo"):
 
 
 def uneven_sequences(rank, world, port, variant_root, options, out_dir):
-    """Ranks with different sequence lengths and automatic shards, no engine that gathers per shard: each
+    """Ranks with different sequence lengths and automatic shards. With no engine that gathers per shard, each
     rank runs its own shard count and no collective at all (a collective would pair with the logging
-    all_reduce that follows, or hang)."""
+    all_reduce that follows, or hang); with ``zero3`` (parameters gathered per shard) the ranks agree on the
+    largest count with one all_reduce."""
     with gloo_group(rank, world, port, seconds=30):
         lk = _package(variant_root)
         torch.manual_seed(rank)
         module = GatedMLP(64, 96).double()
+        if options.get("zero3"):  # what DeepSpeed ZeRO-3 leaves on its parameters: gathered per shard here
+            for i, p in enumerate(module.parameters()):
+                p.ds_id = i
         calls = []
 
         def counting(mlp, shard):

@@ -60,6 +60,18 @@ def test_ranks_with_different_lengths_run_their_own_shard_counts(variant_root, t
     assert [log["logged"] for log in logs] == [3.0, 3.0]
 
 
+def test_ranks_of_one_and_of_several_shards_agree_where_parameters_are_gathered_per_shard(variant_root, tmp_path):
+    """ZeRO-3 parameters (emulated) under a user's fn, gathered per shard: S = 32 and 300 give automatic counts
+    1 and 5, and both ranks run 5 (a rank with one shard does not take the plain call), agreed by one
+    all_reduce that the logging all_reduce after the call does not pair with; gradients equal the plain
+    module's."""
+    logs = launch(uneven_sequences, 2, variant_root, {"seq": [32, 300], "zero3": True}, tmp_path, timeout_s=60)
+    assert [log["forward_calls"] for log in logs] == [5, 5]
+    assert [log["total_calls"] for log in logs] == [10, 10]  # forward and recompute
+    assert all(log["diff"] < 1e-12 for log in logs)
+    assert [log["logged"] for log in logs] == [3.0, 3.0]
+
+
 def test_a_tiled_call_on_one_rank_only_neither_hangs_nor_pairs_with_other_collectives(variant_root, tmp_path):
     """Rank-0-only evaluation with a model kernelized for training: no hidden collective."""
     logs = launch(rank_subset_calls, 2, variant_root, {}, tmp_path, timeout_s=60)
