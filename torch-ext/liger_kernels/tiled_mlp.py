@@ -88,9 +88,8 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     num_shards = _tiling.num_shards_for(requested, x, layout.agree, intermediate)
     shards = _tiling.unsplit(num_shards)
     plan = gated_plan(fn, mlp_module, x, params) if requested is None else None
-    if plan is not None and splits_columns(plan):
-        summed = summed_weights(plan, params)
-        shards = _tiling.split_columns(num_shards, x.shape, intermediate, plan.gate[0].dtype, summed, x.requires_grad)
+    if plan is not None:
+        shards = _gated_split(plan, params, num_shards, x, intermediate)
     if (
         tile is None
         and requested is None
@@ -156,6 +155,15 @@ def intermediate_size(mlp_module) -> int | None:
         return gate.out_features
     fused = getattr(getattr(mlp_module, "gate_up_proj", None), "out_features", None)
     return fused // 2 if isinstance(fused, int) else None
+
+
+def _gated_split(plan, params, num_shards, x, intermediate) -> _tiling.Split:
+    """How the fast path runs an automatic count (column blocks only where no projections are tied), as both
+    callers ask it: x's shape and gradient, the weights' dtype, the projections ``params`` make trainable."""
+    if not splits_columns(plan):
+        return _tiling.unsplit(num_shards)
+    summed = summed_weights(plan, params)
+    return _tiling.split_columns(num_shards, x.shape, intermediate, plan.gate[0].dtype, summed, x.requires_grad)
 
 
 def _pays(fn, mlp_module, x, num_shards) -> bool:
@@ -298,10 +306,8 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         if split is None:  # automatic, as apply_tiled_mlp splits it
             intermediate = intermediate_size(mlp_module)
             split = _tiling.unsplit(_tiling.num_shards_for(None, x, layout.agree, intermediate))
-            if ctx.gated is not None and splits_columns(ctx.gated):
-                summed = summed_weights(ctx.gated, ctx.params + ctx.zero3_params)
-                dtype = ctx.gated.gate[0].dtype
-                split = _tiling.split_columns(split.forward, x.shape, intermediate, dtype, summed, x.requires_grad)
+            if ctx.gated is not None:
+                split = _gated_split(ctx.gated, ctx.params + ctx.zero3_params, split.forward, x, intermediate)
         if ctx.gated is None:  # column blocks and a backward split of their own: the fast path's only
             split = _tiling.unsplit(split.forward)
         ctx.blocks = split.blocks
