@@ -152,7 +152,10 @@ def _as_rows(tensors):
     """Same-shaped tensors as rows: ``(tensors, n_rows, n_cols, row strides)``. Contiguous tensors are one long
     row and are passed as they are (the kernels never read their row stride); the others are viewed as
     [-1, last dim] through their row stride, copied only when no such view exists."""
-    if all(t.is_contiguous() for t in tensors):
+    for t in tensors:  # (a loop, not all() over a generator: this runs on every launch)
+        if not t.is_contiguous():
+            break
+    else:
         return tensors, 1, tensors[0].numel(), [0] * len(tensors)
     n_cols = tensors[0].shape[-1]
     rows = []
@@ -339,7 +342,10 @@ def transforms_active(*tensors) -> bool:
         return True
     if torch.compiler.is_compiling():
         return False
-    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    for t in tensors:
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return True
+    return False
 
 
 def may_write_over(gate, up) -> bool:

@@ -41,22 +41,27 @@ def host_activation(module: nn.Module, attributes=_ACTIVATION_ATTRIBUTES) -> str
     this package lacks."""
     for attribute in attributes:
         act_fn = getattr(module, attribute, None)
-        if act_fn is None:
-            continue
-        if isinstance(act_fn, nn.GELU):
-            return "gelu_tanh" if act_fn.approximate == "tanh" else "gelu"
-        if act_fn is torch.nn.functional.silu:
-            return "silu"
-        if act_fn is torch.nn.functional.gelu:
-            return "gelu"
-        name = type(act_fn).__name__
-        return _BY_CLASS.get(name, f"{attribute} {name}")
+        if act_fn is not None:
+            return activation_of(act_fn, attribute)
     config = getattr(module, "config", None)
     for key in ("hidden_act", "hidden_activation"):
         name = getattr(config, key, None)
         if isinstance(name, str):
             return _BY_CONFIG.get(name, f"config.{key}={name!r}")
     return None
+
+
+def activation_of(act_fn, attribute: str) -> str:
+    """The registry name of the activation ``act_fn`` (a host's ``attribute``), or a string describing one this
+    package lacks."""
+    if isinstance(act_fn, nn.GELU):
+        return "gelu_tanh" if act_fn.approximate == "tanh" else "gelu"
+    if act_fn is torch.nn.functional.silu:
+        return "silu"
+    if act_fn is torch.nn.functional.gelu:
+        return "gelu"
+    name = type(act_fn).__name__
+    return _BY_CLASS.get(name, f"{attribute} {name}")
 
 
 def describe(found: str) -> str:
@@ -381,8 +386,8 @@ def has_hooks(module: nn.Module) -> bool:
     DeepSpeed ZeRO-3 puts on every module it manages: on a module without parameters (an activation) they
     gather and release nothing."""
     tables = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    hooks = [hook for table in tables for hook in table.values()]
-    if not hooks:  # the common case, without walking the parameters
+    if not any(tables):  # the common case (once per layer and token when decoding): no list, no parameters walked
         return False
+    hooks = [hook for table in tables for hook in table.values()]
     engine_only = next(module.parameters(), None) is None
     return any(not (engine_only and _zero3.is_engine_hook(hook)) for hook in hooks)

@@ -29,12 +29,18 @@ class GatedMLP:
 
     def check(self, module: nn.Module):
         """(activation, form) for ``module``, or a ValueError naming what the layer would not reproduce."""
+        activation, form, _ = self._resolve(module)
+        return activation, form
+
+    def _resolve(self, module: nn.Module):
+        """``check``'s answer and the activation the host's forward calls (its ``act_fn`` / ``activation_fn``),
+        read once: every attribute of a module is a lookup through ``nn.Module.__getattr__``, and a decoding
+        model calls this once per layer and token."""
         shape = _hosts.gated_form(type(module))
-        found = _hosts.host_activation(module, (shape.act_attribute,)) if shape.act_attribute else None
-        if found is None:
-            found = _hosts.host_activation(module)
-        if found is None:
-            found = self.default
+        act_fn = getattr(module, shape.act_attribute or "act_fn", None)
+        found = None if act_fn is None else _hosts.activation_of(act_fn, shape.act_attribute or "act_fn")
+        if found is None:  # the other attribute, then the config
+            found = _hosts.host_activation(module) or self.default
         if shape.problem is not None or found not in self.activations:
             wanted = " or ".join(_hosts.describe(a) for a in self.activations)
             why = shape.problem or f"it uses {_hosts.describe(found)}"
@@ -44,11 +50,11 @@ class GatedMLP:
                 "reproduces its forward, or leave it unmapped."
             )
         form = shape.form or (_hosts.FUSED if hasattr(module, "gate_up_proj") else _hosts.SEPARATE)
-        return REGISTRY[found], form
+        return REGISTRY[found], form, act_fn
 
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        activation, form = self.check(module)
-        if _activation_is_hooked(module):
+        activation, form, act_fn = self._resolve(module)
+        if _is_hooked(act_fn):
             # Hooks on the activation module (reading, ablating or steering neurons) must see it called: the
             # host's own forward is what they hook into.
             return type(module).forward(module, x)
@@ -57,17 +63,24 @@ class GatedMLP:
             gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
             in_place = False
         else:
-            gate, up = module.gate_proj(x), module.up_proj(x)
+            gate_proj, up_proj = module.gate_proj, module.up_proj
+            gate, up = gate_proj(x), up_proj(x)
             # Outputs of plain nn.Linear calls are fresh tensors nobody else keeps: backward may write over them.
-            in_place = _hosts.is_plain_linear(module.gate_proj) and _hosts.is_plain_linear(module.up_proj)
+            # Asked only where a backward will run (decoding records nothing and skips the two checks).
+            in_place = (
+                (gate.requires_grad or up.requires_grad)
+                and torch.is_grad_enabled()
+                and _hosts.is_plain_linear(gate_proj)
+                and _hosts.is_plain_linear(up_proj)
+            )
         return module.down_proj(_gated.gated_apply(gate, up, activation, 1.0, 1.0, in_place))
 
     def tiled_fast_path(self, module: nn.Module) -> GatedActivation | None:
         """The activation, when the tiled MLP may compute this math from the projections' weights directly:
         separate projections, each a plain nn.Linear (see ``_hosts.is_plain_linear``; the tiled MLP gathers
         DeepSpeed ZeRO-3 weights itself, so ZeRO-3's own hooks on them do not count). None otherwise."""
-        activation, form = self.check(module)
-        if form != _hosts.SEPARATE or _activation_is_hooked(module):
+        activation, form, act_fn = self._resolve(module)
+        if form != _hosts.SEPARATE or _is_hooked(act_fn):
             return None
         projections = [getattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")]
         if not all(_hosts.is_plain_linear(p, engine_gathers=True) for p in projections):
@@ -75,10 +88,8 @@ class GatedMLP:
         return activation
 
 
-def _activation_is_hooked(module: nn.Module) -> bool:
-    shape = _hosts.gated_form(type(module))
-    act = getattr(module, shape.act_attribute or "act_fn", None)
-    return isinstance(act, nn.Module) and _hosts.has_hooks(act)
+def _is_hooked(act_fn) -> bool:
+    return isinstance(act_fn, nn.Module) and _hosts.has_hooks(act_fn)
 
 
 swiglu_mlp = GatedMLP("LigerSwiGLUMLP", ["silu"], default="silu")
