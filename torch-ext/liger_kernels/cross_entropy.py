@@ -570,16 +570,15 @@ def class_weight_total(ce_weight):
 
 
 def denominators(target, ce_weight, opts: Options, dtype):
-    """(sum of the kept targets' class weights, count of kept rows) as a 2-element device tensor: the
-    divisors of "mean" (no synchronization: they stay on the device)."""
+    """(sum of the kept targets' class weights, count of kept rows) as 0-d device tensors: the divisors of
+    "mean" (no synchronization: they stay on the device). Without class weights both are the same tensor."""
     kept = target != opts.ignore_index
     count = kept.sum().to(dtype)  # an exact count (int64), rounded once
     if ce_weight is None:
-        return torch.stack([count, count])
+        return count, count
     n_classes = ce_weight.shape[0]
     y = torch.where(kept & (target >= 0) & (target < n_classes), target, 0)
-    weighted = (ce_weight.to(dtype)[y] * kept).sum()
-    return torch.stack([weighted, count])
+    return (ce_weight.to(dtype)[y] * kept).sum(), count
 
 
 def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, rows_shape, divisors=None):
@@ -597,7 +596,7 @@ def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bo
     else:
         if divisors is None:
             divisors = denominators(target, ce_weight, opts, ce.dtype)
-        weights, count = divisors.unbind()
+        weights, count = divisors
         z_loss = z.sum() / count
         loss = ce.sum() / weights + z_loss
     if accuracy is not None:
@@ -605,22 +604,15 @@ def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bo
     return loss, z_loss, accuracy
 
 
-def row_scales(target, ce_weight, opts: Options, dtype, d_loss=None, divisors=None):
-    """The (ce_scale, z_scale) the gradient kernel reads: 1/denominators for "mean" (``divisors`` where the
-    caller has them already), ones for "sum", times the incoming gradient ``d_loss`` (a scalar, or per row for
-    "none") when given."""
-    if opts.reduction == "none":
-        per_row = d_loss.reshape(-1).to(dtype).contiguous()
-        return per_row, per_row
+def row_scales(target, ce_weight, opts: Options, dtype, divisors=None):
+    """The (ce_scale, z_scale) the gradient kernel reads for a loss computed with its gradient: 1/denominators
+    for "mean" (``divisors`` where the caller has them already), ones for "sum"; 0-d, the same for every row."""
     if opts.reduction == "mean":
-        if divisors is None:
-            divisors = denominators(target, ce_weight, opts, dtype)
-        scales = torch.reciprocal(divisors)
-    else:
-        scales = torch.ones(2, dtype=dtype, device=target.device)
-    if d_loss is not None:
-        scales = scales * d_loss.to(dtype)
-    return scales[0:1], scales[1:2]
+        weights, count = denominators(target, ce_weight, opts, dtype) if divisors is None else divisors
+        z_scale = torch.reciprocal(count)
+        return z_scale if weights is count else torch.reciprocal(weights), z_scale
+    ones = torch.ones((), dtype=dtype, device=target.device)
+    return ones, ones
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -659,6 +651,46 @@ class _EagerRows(torch.autograd.Function):
             raise RuntimeError(f"{OP}: double backward (create_graph=True) is not supported")
         logits, target, ce_weight, lse = ctx.saved_tensors
         return _rows_backward(d_ce, d_z, logits, target, ce_weight, lse, ctx.opts), None, None, None, None
+
+
+class _EagerReduced(torch.autograd.Function):
+    """Eager "mean" and "sum" as one node, from the logits to (loss, z_loss, accuracy, pred). With
+    loss = sum(ce) / W + z_loss and z_loss = sum(z) / C ("sum": W = C = 1), backward needs only the rows'
+    scales d ce = d_loss / W and d z = (d_loss + d_z_loss) / C (what autograd would hand the rows through
+    the reduction's own nodes, which cost the host about ten aten ops more per backward) and one pass of the
+    gradient kernel."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ce_weight, opts, want_pred, want_accuracy):
+        lse, ce, z, pred = _rows_forward(logits, target, ce_weight, opts, want_pred)
+        divisors = denominators(target, ce_weight, opts, ce.dtype) if opts.reduction == "mean" else ()
+        loss, z_loss, accuracy = reduce_rows(
+            ce, z, pred, target, ce_weight, opts, want_accuracy, target.shape, divisors=divisors or None
+        )
+        # Without class weights both divisors are the count: saved once, divided by once.
+        ctx.save_for_backward(logits, target, ce_weight, lse, *divisors[ce_weight is None :])
+        ctx.opts = opts
+        ctx.mark_non_differentiable(*[t for t in (accuracy, pred) if t is not None])
+        ctx.set_materialize_grads(False)  # an unused z_loss costs no zeros
+        return loss, z_loss, accuracy, pred
+
+    @staticmethod
+    def backward(ctx, d_loss, d_z_loss, d_accuracy, d_pred):
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"{OP}: double backward (create_graph=True) is not supported")
+        logits, target, ce_weight, lse, *divisors = ctx.saved_tensors
+        d_z = d_loss if d_z_loss is None else d_z_loss if d_loss is None else d_loss + d_z_loss
+        if divisors:  # "mean": (W, C), or (C,) where W = C (no class weights)
+            d_z = d_z / divisors[-1]
+        if d_loss is None:
+            d_ce = torch.zeros_like(d_z)
+        elif d_z_loss is None and len(divisors) < 2:  # d_z is d_loss, divided by W = C ("mean") or not ("sum")
+            d_ce = d_z
+        else:
+            d_ce = d_loss / divisors[0] if divisors else d_loss
+        total = class_weight_total(ce_weight)
+        d_logits = row_grad(logits, target, ce_weight, total, lse, d_ce.to(lse.dtype), d_z.to(lse.dtype), ctx.opts)
+        return d_logits, None, None, None, None, None
 
 
 # torch.compile: the same node as a torch.library op with autograd and fake implementations.
@@ -743,14 +775,26 @@ def _rows_op_backward(ctx, d_ce, d_z, d_pred, d_lse):
 torch.library.register_autograd(_rows_op, _rows_op_backward, setup_context=_rows_setup_context)
 
 
-def apply_rows(logits, target, ce_weight, opts: Options, want_pred: bool):
+EAGER, COMPILED, COMPOSITE = "eager", "compiled", "composite"
+
+
+def _route(logits) -> str:
+    """How the rows of ``logits`` are computed: the eager Functions, the torch.library op (torch.compile), or
+    the differentiable PyTorch formulas (export, torch.jit.trace, torch.func, forward AD)."""
+    if torch.compiler.is_compiling():
+        return COMPOSITE if _backend.exporting() or _backend.forward_ad_active() else COMPILED
+    if _backend.exporting() or is_functorch(logits) or _backend.forward_ad_active():
+        return COMPOSITE
+    return EAGER
+
+
+def apply_rows(logits, target, ce_weight, opts: Options, want_pred: bool, route=None):
     """(ce, z, pred) rows of validated 2-D logits, differentiable through ce and z."""
-    if torch.compiler.is_compiling() and not (_backend.exporting() or _backend.forward_ad_active()):
+    route = route or _route(logits)
+    if route == COMPILED:
         ce, z, pred, _ = _rows_op(logits, target, ce_weight, *opts, want_pred)
         return ce, z, pred if want_pred else None
-    if (  # export (compiling), torch.jit.trace, torch.func, forward AD
-        torch.compiler.is_compiling() or _backend.exporting() or is_functorch(logits) or _backend.forward_ad_active()
-    ):
+    if route == COMPOSITE:
         _, ce, z, pred = rows_torch(logits, target, ce_weight, opts, want_pred)
         return ce, z, pred
     return _EagerRows.apply(logits, target, ce_weight, opts, want_pred)
@@ -811,12 +855,18 @@ def cross_entropy(
             ("return_predicted_tokens", return_predicted_tokens),
         )
     ]
-    rows = logits.reshape(-1, n_classes)
+    rows = logits if logits.dim() == 2 else logits.reshape(-1, n_classes)  # (each reshape is a dispatched op)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    flat_target = target.reshape(-1).to(torch.int64).contiguous()
-    ce, z, pred = apply_rows(rows, flat_target, ce_weight, opts, flags[1] or flags[2])
-    loss, z_loss, accuracy = reduce_rows(ce, z, pred, flat_target, ce_weight, opts, flags[1], target.shape)
+    flat_target = (target if target.dim() == 1 else target.reshape(-1)).to(torch.int64).contiguous()
+    route = _route(rows)
+    if route == EAGER and opts.reduction != "none":
+        loss, z_loss, accuracy, pred = _EagerReduced.apply(
+            rows, flat_target, ce_weight, opts, flags[1] or flags[2], flags[1]
+        )
+    else:
+        ce, z, pred = apply_rows(rows, flat_target, ce_weight, opts, flags[1] or flags[2], route)
+        loss, z_loss, accuracy = reduce_rows(ce, z, pred, flat_target, ce_weight, opts, flags[1], target.shape)
     return package(loss, z_loss, accuracy, pred, flags, target.shape)
 
 

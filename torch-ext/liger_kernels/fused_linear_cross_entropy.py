@@ -127,18 +127,19 @@ def _validate(
 
 def _no_autocast(device_type: str):
     # The accumulating GEMMs must not be recast to the autocast dtype; inputs are cast explicitly instead.
-    return (
-        torch.autocast(device_type, enabled=False)
-        if device_type in ("cuda", "cpu", "xpu", "mps")
-        else contextlib.nullcontext()
-    )
+    # Entering torch.autocast costs the host as much as a few aten ops: only where autocast is on.
+    if device_type in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _prepare(input, weight, target, bias, dtype):
-    x = input.reshape(-1, input.shape[-1]).to(dtype)
+    # Rows as they are where they already are (each reshape is a dispatched view: host time on small calls).
+    x = (input if input.dim() == 2 else input.reshape(-1, input.shape[-1])).to(dtype)
     w = weight.to(dtype)
     b = bias.to(dtype) if bias is not None else None
-    return x, w, target.reshape(-1).to(torch.int64).contiguous(), b
+    t = target if target.dim() == 1 else target.reshape(-1)
+    return x, w, t.to(torch.int64).contiguous(), b
 
 
 def _rows(start, stop, n_rows, *tensors) -> tuple:
@@ -211,7 +212,8 @@ def _accumulate(grad_logits, x_rows, w, grad_x_rows, grad_w, grad_b):
         upcast = grad_logits.dtype != acc_dtype and not cublas
         x_acc = x_rows.to(acc_dtype) if upcast else x_rows  # once per chunk, not per slab
         for start, slab in grad_w:
-            part = grad_logits[:, start : start + slab.shape[0]].t()
+            rows = slab.shape[0]
+            part = (grad_logits if rows == grad_logits.shape[1] else grad_logits[:, start : start + rows]).t()
             if cublas:
                 torch.addmm(slab, part, x_acc, out_dtype=torch.float32, out=slab)
             else:  # same dtype, or the chunk's slice upcast (rows x slab), never the V x H product
@@ -221,7 +223,10 @@ def _accumulate(grad_logits, x_rows, w, grad_x_rows, grad_w, grad_b):
 
 
 def _returned(grad, like):
-    return None if grad is None else grad.to(like.dtype).view(like.shape)
+    if grad is None:
+        return None
+    grad = grad.to(like.dtype)
+    return grad if grad.shape == like.shape else grad.view(like.shape)
 
 
 def _returned_weight(grad_w, weight):
@@ -345,7 +350,7 @@ def _backward(ctx, d_loss):
             if grad is not None:
                 with torch.autograd._unsafe_preserve_version_counter(grad):
                     grad.mul_(d_loss)
-        ctx.scale = d_loss.detach().clone()
+        ctx.scale = d_loss.clone()  # grad mode is off here (checked above): no detach needed
         return tuple(grads)
     ratio = d_loss / ctx.scale
     return tuple(None if g is None else g * ratio for g in grads)
@@ -363,10 +368,13 @@ class _EagerFunction(torch.autograd.Function):
             ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy
         )
         ctx.mark_non_differentiable(*[t for t in (z_loss, accuracy, pred) if t is not None])
+        ctx.set_materialize_grads(False)  # no zeros made for the gradients of the non-differentiable outputs
         return loss, z_loss, accuracy, pred
 
     @staticmethod
     def backward(ctx, d_loss, d_z_loss, d_accuracy, d_pred):
+        if d_loss is None:  # (the loss is the one differentiable output: not reached in practice)
+            return (None,) * 10
         grad_input, grad_weight, grad_bias = _backward(ctx, d_loss)
         return grad_input, grad_weight, None, grad_bias, None, None, None, None, None, None
 

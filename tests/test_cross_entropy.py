@@ -1,0 +1,85 @@
+"""cross_entropy on given logits (what LigerForCausalLMLoss and its layer compute from a model's logits) against
+float64 PyTorch on every option, both backends: the loss, the z-loss and the extras, and the logits' gradient
+through the loss and through the returned z-loss, for any incoming gradients."""
+
+import pytest
+import torch
+
+from harness import FLCE_CASES, make_inputs, reference_loss, reference_z_loss, rel_err
+
+REDUCTIONS = ("mean", "sum", "none")
+FP32_BOUND = 16 * torch.finfo(torch.float32).eps
+N, V = 13, 50
+CASES = sorted(name for name, options in FLCE_CASES.items() if "bias" not in options)  # bias: the fused op's
+
+
+def logits_and_options(case, dtype=torch.float32, shape=(N,)):
+    x, weight, _, target, ce_weight, options = make_inputs(N, 8, V, case=case, seed=len(case))
+    logits = (x.detach().double() @ weight.detach().double().T).to(dtype).reshape(*shape, V).requires_grad_()
+    return logits, target.reshape(shape), ce_weight, options
+
+
+def incoming(like, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.rand(like.shape, generator=generator, dtype=torch.float64) + 0.5).to(like.dtype)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64_reference(lk, case, reduction, backend_name):
+    logits, target, ce_weight, options = logits_and_options(case)
+    out = lk.cross_entropy.cross_entropy(
+        logits, target, ce_weight, reduction=reduction, return_z_loss=True, return_token_accuracy=True, **options
+    )
+    logits64 = logits.detach().double().requires_grad_()
+    want = reference_loss(logits64, target, reduction, ce_weight, **options)
+    want_z = reference_z_loss(logits64, target, reduction, ce_weight, **options)
+    assert out.loss.dtype == torch.float32 and out.loss.shape == want.shape
+    assert rel_err(out.loss, want) <= FP32_BOUND, f"loss: {rel_err(out.loss, want):.3e}"
+    if options.get("lse_square_scale"):
+        assert rel_err(out.z_loss, want_z) <= FP32_BOUND
+    else:
+        assert not out.z_loss.any()  # exactly zero without a z-loss
+    # Both returned losses are differentiable: a gradient through each must reach the logits.
+    d_loss, d_z = incoming(out.loss, 1), incoming(out.z_loss, 2)
+    (got,) = torch.autograd.grad((out.loss, out.z_loss), logits, (d_loss, d_z))
+    (ref,) = torch.autograd.grad((want, want_z), logits64, (d_loss.double(), d_z.double()))
+    assert got.dtype == logits.dtype and got.shape == logits.shape
+    assert rel_err(got, ref) <= FP32_BOUND, f"grad: {rel_err(got, ref):.3e}"
+    kept = target != options.get("ignore_index", -100)
+    predicted = logits.detach().argmax(-1)
+    if reduction != "none":
+        accuracy = ((predicted == target) & kept).sum() / kept.sum()
+        assert out.token_accuracy.item() == pytest.approx(accuracy.item(), abs=1e-7)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_batched_bf16_logits_and_retained_graph(lk, reduction, backend_name):
+    """(B, S, V) bf16 logits: the loss in fp32, the gradient in bf16 to one bf16 rounding of the exact one; a
+    second backward through the retained graph gives the same gradient."""
+    logits, target, ce_weight, options = logits_and_options("everything", torch.bfloat16, shape=(1, N))
+    loss = lk.cross_entropy.cross_entropy(logits, target, ce_weight, reduction=reduction, **options)
+    logits64 = logits.detach().double().requires_grad_()
+    want = reference_loss(logits64.view(N, V), target.view(N), reduction, ce_weight, **options)
+    assert loss.dtype == torch.float32 and rel_err(loss, want.view(loss.shape)) <= FP32_BOUND
+    d_loss = incoming(loss, 3)
+    first = torch.autograd.grad(loss, logits, d_loss, retain_graph=True)[0]
+    second = torch.autograd.grad(loss, logits, d_loss)[0]
+    (ref,) = torch.autograd.grad(want, logits64, d_loss.double().view(want.shape))
+    assert first.dtype == torch.bfloat16 and torch.equal(first, second)
+    assert rel_err(first, ref) <= torch.finfo(torch.bfloat16).eps, f"grad: {rel_err(first, ref):.3e}"
+
+
+def test_logits_are_never_written(lk, backend_name):
+    logits, target, ce_weight, options = logits_and_options("everything")
+    before = logits.detach().clone()
+    loss = lk.cross_entropy.cross_entropy(logits, target, ce_weight, **options)
+    loss.backward()
+    assert torch.equal(logits.detach(), before) and logits.grad is not None
+
+
+def test_double_backward_is_a_clear_error(lk, backend_name):
+    logits, target, _, _ = logits_and_options("plain")
+    loss = lk.cross_entropy.cross_entropy(logits, target)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, logits, create_graph=True)
