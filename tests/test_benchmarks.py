@@ -144,7 +144,14 @@ def synthetic_results():
         {"entry": "rms_norm", "inputs": "16x4096", "variant": "ours", "error": "RuntimeError: boom"},
     ]
     back_to_back = [
-        {"op": "silu_mul", "shape": [8192, 4096], "variant": "ours", "fwd_pct": 88.6, "bwd_pct": 70.2},
+        {
+            "op": "silu_mul",
+            "shape": [8192, 4096],
+            "variant": "ours",
+            "fwd_pct": 88.6,
+            "bwd_pct": 70.2,
+            "bwd_step_pct": 93.1,
+        },
         {"op": "silu_mul", "shape": [8192, 4096], "variant": "eager", "fwd_pct": 50.0, "bwd_pct": 49.6},
     ]
     rotary = [
@@ -215,7 +222,7 @@ def test_plot_tables(suite_module):
     # synced time twice the host's: the GPU set the pace, marked
     assert "| `LigerSwiGLUMLP` | decode, batch 1 | 90* / – | LlamaMLP.forward | 120* / – | – | 0.75× / – |" in text
     assert "| `rms_norm` | 16x4096 | failed | – | – | – | – / – |" in text
-    assert "| `silu_mul` | 89% / 70% | 50% / 50% | – |" in text
+    assert "| `silu_mul` | 89% / 70% / 93% | 50% / 50% | – |" in text
     assert "| rotary | seq 32768 | separate | liger-kernels | 91.2 |" in text  # generic table, bytes not shown
     assert "| 1234 |" in text and "Model: steps" in text
     assert "| model | ok | 3 |" in text
@@ -285,6 +292,7 @@ def test_suite_smoke_on_cpu(lk, tmp_path, suite_module):
     assert {row["variant"] for row in host} >= {"ours", "eager"}
     assert {row["op"] for row in results["activations"]} == set(lk.activations.REGISTRY)
     assert {row["variant"] for row in results["host"]["back_to_back"]} >= {"ours", "eager"}
+    assert all(row["bwd_step_ms"] > 0 for row in results["host"]["back_to_back"]), results["host"]["back_to_back"]
     assert results["mlp"] and results["rotary"] and results["flce"]
     text = suite_module("plot").summary(results)
     assert "| `silu_mul` |" in text and "| ceilings | ok |" in text

@@ -18,8 +18,10 @@ Where the peer has no such entry point, its cell stays empty.
 
 Back to back (``back_to_back``): silu_mul and gelu_mul (both forms) at 8192 x 4096 bf16, 20 launches back to
 back between two CUDA events (median of 15), forward (no grad) and backward (``autograd.grad`` through one
-retained forward), as % of the copy ceiling: what an eager training loop sees when the host barely keeps up;
-bench_activations.py's CUDA-graph figures are the GPU's own time.
+retained forward, 20 times), as % of the copy ceiling: what an eager loop sees when the host barely keeps up;
+bench_activations.py's CUDA-graph figures are the GPU's own time. ``bwd_step``: the backward as a training
+step runs it, one ``autograd.grad`` through the 20 calls' nodes (on 20 input pairs, so nothing is summed):
+each node costs the host its backward alone, not a graph task of its own.
 """
 
 import argparse
@@ -594,6 +596,10 @@ def back_to_back_rows(copy_bytes_per_s: float, cfg, device, peers) -> list:
     a, b, d_out = (torch.randn(rows_n, cols, device=device, dtype=DTYPE) for _ in range(3))
     a.requires_grad_(), b.requires_grad_()
     nbytes = a.numel() * a.element_size()
+    # A training step's backward runs every node in one pass: its own pairs, so that no gradient is summed.
+    nodes = timing.GRAPH_CALLS if torch.device(device).type == "cuda" else 2
+    pairs = [tuple(torch.randn_like(t).requires_grad_() for t in (a, b)) for _ in range(nodes)]
+    d_outs = [d_out] * len(pairs)
     ops = {
         "silu_mul": {
             "ours": lk.silu_mul,
@@ -623,21 +629,32 @@ def back_to_back_rows(copy_bytes_per_s: float, cfg, device, peers) -> list:
                     holder["out"] = fn(a, b)
                 torch.autograd.grad(holder["out"], (a, b), d_out, retain_graph=True)
 
+            def backward_in_one_pass(fn=fn, holder=holder):
+                if "outs" not in holder:
+                    holder["outs"] = [fn(x, y) for x, y in pairs]
+                torch.autograd.grad(holder["outs"], [t for pair in pairs for t in pair], d_outs, retain_graph=True)
+
             try:
                 with torch.no_grad():
                     row["fwd_ms"] = timing.back_to_back_ms(lambda fn=fn: fn(a, b), device)
                 row["bwd_ms"] = timing.back_to_back_ms(backward, device)
-                for phase in ("fwd", "bwd"):
+                row["bwd_step_ms"] = timing.back_to_back_ms(backward_in_one_pass, device, calls=1) / len(pairs)
+                for phase in ("fwd", "bwd", "bwd_step"):
                     if copy_bytes_per_s:
                         seconds = row[f"{phase}_ms"] * 1e-3
-                        row[f"{phase}_pct"] = 100 * row[f"{phase}_bytes"] / seconds / copy_bytes_per_s
+                        moved = row["fwd_bytes"] if phase == "fwd" else row["bwd_bytes"]
+                        row[f"{phase}_pct"] = 100 * moved / seconds / copy_bytes_per_s
             except Exception as error:  # noqa: BLE001
                 row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             holder.clear()
             rows.append(row)
             print(
                 f"  {op:<30} {role:<5} "
-                + (row.get("error") or f"fwd {row.get('fwd_pct', 0):5.1f}%  bwd {row.get('bwd_pct', 0):5.1f}% of copy")
+                + (
+                    row.get("error")
+                    or f"fwd {row.get('fwd_pct', 0):5.1f}%  bwd {row.get('bwd_pct', 0):5.1f}%  "
+                    f"bwd in one pass {row.get('bwd_step_pct', 0):5.1f}% of copy"
+                )
             )
     timing.free(device)
     return rows

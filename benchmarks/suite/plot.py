@@ -277,11 +277,13 @@ def _back_to_back_table(results):
             if row is None or "fwd_pct" not in row:
                 cells.append("–" if row is None or "error" not in row else "failed")
             else:
-                cells.append(f"{row['fwd_pct']:.0f}% / {row['bwd_pct']:.0f}%")
+                step = f" / {row['bwd_step_pct']:.0f}%" if "bwd_step_pct" in row else ""
+                cells.append(f"{row['fwd_pct']:.0f}% / {row['bwd_pct']:.0f}%{step}")
         body.append(cells)
     shape = "×".join(str(s) for s in rows[0]["shape"]) if rows else "?"
     return _table(
-        f"Back to back (20 launches between two events), {shape} bf16, % of copy (forward / backward):",
+        f"Back to back (20 launches between two events), {shape} bf16, % of copy (forward / backward, one "
+        "autograd.grad per call / backward of the 20 calls in one pass, as a training step runs it):",
         ["op", "ours", "eager", "peer liger-kernel"],
         body,
     )
