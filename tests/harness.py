@@ -65,7 +65,7 @@ def skip_unless_runnable(name: str, device: str = "cpu") -> None:
 @contextlib.contextmanager
 def poisoned_outputs(lk):
     """Kernel outputs come back NaN-filled from the allocator, so an element a kernel fails to write shows."""
-    original = lk._backend.new_tensor, lk._backend.new_strided
+    original = lk._backend.new_tensor, lk._backend.new_strided, lk._backend.new_like
 
     def fill(dtype):
         return float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min  # integer outputs: a sentinel
@@ -76,11 +76,14 @@ def poisoned_outputs(lk):
     def poisoned_strided(shape, stride, dtype, device):
         return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(fill(dtype))
 
-    lk._backend.new_tensor, lk._backend.new_strided = poisoned, poisoned_strided
+    def poisoned_like(t):
+        return torch.full_like(t, fill(t.dtype), memory_format=torch.contiguous_format)
+
+    lk._backend.new_tensor, lk._backend.new_strided, lk._backend.new_like = poisoned, poisoned_strided, poisoned_like
     try:
         yield
     finally:
-        lk._backend.new_tensor, lk._backend.new_strided = original
+        lk._backend.new_tensor, lk._backend.new_strided, lk._backend.new_like = original
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -124,17 +124,18 @@ def test_public_function_leaves_caller_tensors_intact(lk, op, backend_name):
 
 
 class CountingAllocator:
-    """Counts the kernel-output allocations made through _backend.new_tensor."""
+    """Counts the kernel-output allocations made through _backend.new_tensor and _backend.new_like."""
 
     def __init__(self, lk, monkeypatch):
         self.count = 0
-        inner = lk._backend.new_tensor
+        for name in ("new_tensor", "new_like"):
+            inner = getattr(lk._backend, name)
 
-        def counted(*args, **kwargs):
-            self.count += 1
-            return inner(*args, **kwargs)
+            def counted(*args, inner=inner, **kwargs):
+                self.count += 1
+                return inner(*args, **kwargs)
 
-        monkeypatch.setattr(lk._backend, "new_tensor", counted)
+            monkeypatch.setattr(lk._backend, name, counted)
 
 
 def require_interpreted_triton():

@@ -175,7 +175,7 @@ def _grid(n_rows: int, n_cols: int):
 
 
 def _forward_triton(gate, up, activation: GatedActivation, gate_multiplier, down_multiplier):
-    out = _backend.new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
+    out = _backend.new_like(gate)
     (gate_rows, up_rows, out_rows), n_rows, n_cols, strides = _as_rows([gate, up, out])
     launch(
         _gated_forward_kernel,
@@ -194,8 +194,7 @@ def _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multipli
     if in_place:
         d_gate, d_up = gate, up
     else:
-        d_gate = _backend.new_tensor(gate.shape, dtype=gate.dtype, device=gate.device)
-        d_up = _backend.new_tensor(up.shape, dtype=up.dtype, device=up.device)
+        d_gate, d_up = _backend.new_like(gate), _backend.new_like(up)
     rows, n_rows, n_cols, strides = _as_rows([d_out, gate, up, d_gate, d_up])
     d_gate_rows, d_up_rows = rows[3], rows[4]
     if in_place and (d_gate_rows.data_ptr() != gate.data_ptr() or d_up_rows.data_ptr() != up.data_ptr()):
@@ -263,7 +262,8 @@ def gated_backward(
     if d_out.shape != gate.shape:  # a broadcast or expanded gradient
         d_out = d_out.expand(gate.shape)
     if use_triton(gate):
-        d_out = d_out.to(gate.dtype)
+        if d_out.dtype != gate.dtype:
+            d_out = d_out.to(gate.dtype)
         if d_out.stride(-1) != 1:
             d_out = d_out.contiguous()
         d_gate, d_up = _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multiplier, in_place)
