@@ -121,13 +121,13 @@ BUDGETS = {  # name: ((Python calls), (aten ops)), each (forward, no_grad forwar
     "gelu_mul": ((40, 36, 30), (1, 1, 2)),
     "LigerSiLUMulFunction": ((39, 39, 30), (1, 1, 2)),
     "rms_norm": ((51, 44, 43), (4, 3, 5)),
-    "LigerSwiGLUMLP": ((75, 45, 40), (7, 7, 7)),
+    "LigerSwiGLUMLP": ((80, 46, 40), (7, 7, 7)),
     "liger_rotary_pos_emb": ((63, 59, 32), (7, 7, 4)),
     "cross_entropy": ((92, 92, 25), (17, 17, 2)),
-    "liger_fused_linear_cross_entropy": ((180, 138, 12), (26, 20, 3)),
-    "LigerFusedLinearCrossEntropyFunction": ((161, 161, 12), (26, 26, 3)),
+    "liger_fused_linear_cross_entropy": ((181, 139, 12), (26, 20, 3)),
+    "LigerFusedLinearCrossEntropyFunction": ((162, 162, 12), (26, 26, 3)),
     "LigerForCausalLMLoss": ((106, 106, 25), (21, 21, 3)),
-    "LigerForCausalLMLoss, fused": ((197, 155, 12), (30, 24, 4)),
+    "LigerForCausalLMLoss, fused": ((198, 156, 12), (30, 24, 4)),
 }
 
 

@@ -83,3 +83,21 @@ def test_double_backward_is_a_clear_error(lk, backend_name):
     loss = lk.cross_entropy.cross_entropy(logits, target)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(loss, logits, create_graph=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_z_loss_feeds_the_loss_in_the_graph(lk, reduction, backend_name):
+    """The loss is the cross-entropy's share plus z_loss, in the graph too: z_loss receives the loss's
+    gradient (retain_grad sees it), and a hook that drops z_loss's gradient leaves the cross-entropy's alone."""
+    logits, target, ce_weight, options = logits_and_options("z_loss")
+    out = lk.cross_entropy.cross_entropy(logits, target, ce_weight, reduction=reduction, return_z_loss=True, **options)
+    out.z_loss.retain_grad()
+    out.loss.backward(retain_graph=True)
+    assert out.z_loss.grad is not None and out.z_loss.grad.item() == 1.0
+    logits.grad = None
+    out.z_loss.register_hook(lambda grad: grad * 0)
+    out.loss.backward()
+    logits64 = logits.detach().double().requires_grad_()
+    without_z = {**options, "lse_square_scale": 0.0}
+    (want,) = torch.autograd.grad(reference_loss(logits64, target, reduction, ce_weight, **without_z), logits64)
+    assert rel_err(logits.grad, want) <= FP32_BOUND

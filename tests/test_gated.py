@@ -200,6 +200,42 @@ def test_in_place_backward_with_a_retained_graph_is_exact(lk):
             assert rel_err(got, expected) < 1e-6
 
 
+@pytest.mark.parametrize("op", sorted(IN_PLACE_CALLS))
+def test_in_place_backward_spares_tensors_a_saved_tensor_hook_kept(lk, op, monkeypatch):
+    """A user's saved-tensor hook that keeps what it packs (activation logging) still holds gate's and up's
+    values after backward: the gradients go to fresh buffers. Under checkpointing (a handle, then a recompute)
+    and CPU offloading (a copy) nothing the caller holds is written, and backward still writes in place."""
+    require_interpreted_triton()
+    call = IN_PLACE_CALLS[op]
+    x_a, x_b, _ = make_pair((4, 40), torch.float32)
+    d_out = torch.randn(4, 40)
+    with backend("triton"):
+        want = torch.autograd.grad(call(lk, x_a * 1.0, x_b * 1.0, False), (x_a, x_b), d_out)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            out = call(lk, x_a * 1.0, x_b * 1.0, True)
+        values = [t.detach().clone() for t in kept]
+        got = torch.autograd.grad(out, (x_a, x_b), d_out)
+        assert len(kept) == 2 and all(torch.equal(t, v) for t, v in zip(kept, values)), "a kept tensor was written"
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        for wrap in ("checkpoint", "save_on_cpu"):
+
+            def run(a, b):
+                return call(lk, a * 1.0, b * 1.0, True)
+
+            if wrap == "checkpoint":
+                out = torch.utils.checkpoint.checkpoint(run, x_a, x_b, use_reentrant=False)
+            else:
+                with torch.autograd.graph.save_on_cpu():
+                    out = run(x_a, x_b)
+            allocations = CountingAllocator(lk, monkeypatch)
+            got = torch.autograd.grad(out, (x_a, x_b), d_out)
+            monkeypatch.undo()
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), wrap
+            forwards = 1 if wrap == "checkpoint" else 0  # the checkpoint's recompute allocates its output
+            assert allocations.count == forwards, f"{wrap}: backward allocated gradient buffers"
+
+
 @pytest.mark.parametrize("form", ["Function", "silu_mul"])
 def test_in_place_backward_refuses_aliased_and_leaf_buffers(lk, form, backend_name):
     """in_place_backward=True with a and b the same tensor, or with leaves (a user's parameters), writes

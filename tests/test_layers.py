@@ -116,6 +116,24 @@ def test_swiglu_layer_takes_a_host_that_does_not_say(lk):
     assert rel_err(host(x), ref) < 1e-5
 
 
+class HostCallingAMissingActivation(ConfigOnlyHost):
+    """A forward that calls ``self.act_fn``, an instance that lacks it but has ``activation_fn``: the config
+    names the activation, as for any host whose forward's activation attribute is missing."""
+
+    def __init__(self):
+        super().__init__(hidden_act="gelu_pytorch_tanh")
+        self.activation_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_a_missing_activation_attribute_defers_to_the_config(lk):
+    assert lk.gated_mlp.geglu_mlp.check(HostCallingAMissingActivation())[0].name == "gelu_tanh"
+    with pytest.raises(ValueError, match="LigerSwiGLUMLP computes .* it uses tanh-approximated GELU"):
+        lk.gated_mlp.swiglu_mlp.check(HostCallingAMissingActivation())
+
+
 class HostWithHookedGate(torch.nn.Module):
     """Someone keeps the gate projection's output (an activation-capturing hook)."""
 

@@ -373,6 +373,25 @@ def test_hooks_on_the_activation_module_fire_as_in_the_plain_module(lk, layer):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("layer", ["LigerSwiGLUMLP", "LigerTiledSwiGLUMLP"])
+def test_a_global_module_hook_steering_the_activation_applies_as_in_the_plain_module(lk, layer):
+    """A global forward hook (``register_module_forward_hook``) fires on every module call, the host's act_fn
+    included: where it changes the activation's output, the layer's result and gradients are the host's."""
+    host = llama_mlp()
+    x, d_out = inputs()
+
+    def steer(module, args, out):
+        return out * 0.5 if isinstance(module, type(host.act_fn)) else None
+
+    handle = torch.nn.modules.module.register_module_forward_hook(steer)
+    try:
+        got = grads_of(bind(getattr(lk, layer), copy.deepcopy(host)), x, d_out)
+        want = grads_of(copy.deepcopy(host), x, d_out)
+    finally:
+        handle.remove()
+    assert_same(got, want)
+
+
 @pytest.mark.parametrize("path", ["fast", "generic"])
 def test_a_weight_changed_in_place_before_backward_raises_as_in_the_plain_module(lk, path):
     """An optimizer or EMA step between forward and backward: autograd's own error, as for the plain module's

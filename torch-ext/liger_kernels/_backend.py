@@ -121,6 +121,29 @@ def is_finite(value) -> bool:
         return False
 
 
+_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+# Saved-tensor hooks whose pack never keeps the tensor it is handed: torch.utils.checkpoint's (non-reentrant: it
+# keeps a handle and recomputes; the recomputed tensor is handed to one unpack) and save_on_cpu's (a copy).
+_PACKS_THAT_LET_GO = (
+    ("torch.utils.checkpoint", "_checkpoint_hook."),
+    ("torch.autograd.graph", "save_on_cpu."),
+)
+
+
+def saved_tensors_may_be_kept() -> bool:
+    """Whether a saved-tensor hook is active (``torch.autograd.graph.saved_tensors_hooks``) whose pack may keep
+    the very tensors it saves, so that the caller can still read them after backward: any hook but
+    checkpointing's and CPU offloading's, and any hook where this PyTorch cannot tell."""
+    if _top_saved_tensor_hooks is None:
+        return True
+    hooks = _top_saved_tensor_hooks(False)
+    if hooks is None:
+        return False
+    pack = hooks[0]
+    module, name = getattr(pack, "__module__", None), getattr(pack, "__qualname__", "")
+    return not any(module == m and name.startswith(prefix) for m, prefix in _PACKS_THAT_LET_GO)
+
+
 def forward_ad_active() -> bool:
     """Whether a forward-mode AD dual level is open (``torch.autograd.forward_ad``). The kernels have no JVP, and
     a dual tensor's tangent would not survive them: the ops run their differentiable PyTorch form instead."""

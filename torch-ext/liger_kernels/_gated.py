@@ -305,7 +305,9 @@ def gated_recompute_backward(d_out, gate, up, activation) -> torch.Tensor:
 #   composite, itself differentiable, so Hessian-vector products see the activation's second derivative.
 # * In-place backward (gradients written over gate's and up's buffers) is taken only where it is provably
 #   harmless: both are outputs of autograd ops (not leaves, nor views of leaves, whose values the caller
-#   owns), they do not share storage (an aliased pair would read what it already overwrote), and the graph is
+#   owns), they do not share storage (an aliased pair would read what it already overwrote), no saved-tensor
+#   hook may have kept them (``_backend.saved_tensors_may_be_kept``: a user's pack that keeps the tensors
+#   would read gradients after backward; checkpointing's recomputes, offloading's copies), and the graph is
 #   not being retained (a second backward would read gradients instead of activations).
 
 
@@ -374,7 +376,7 @@ def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplie
     ctx.activation = activation
     ctx.gate_multiplier = gate_multiplier
     ctx.down_multiplier = down_multiplier
-    ctx.in_place = in_place and may_write_over(gate, up)
+    ctx.in_place = in_place and may_write_over(gate, up) and not _backend.saved_tensors_may_be_kept()
 
 
 def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -452,7 +454,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(gate, up)
     ctx.args = (activation, gate_multiplier, down_multiplier)
     # Compiled graphs never write in place (see _backward), and fake tensors have no storage to compare.
-    ctx.in_place = in_place_backward and not torch.compiler.is_compiling() and may_write_over(gate, up)
+    ctx.in_place = (
+        in_place_backward
+        and not torch.compiler.is_compiling()
+        and may_write_over(gate, up)
+        and not _backend.saved_tensors_may_be_kept()
+    )
 
 
 def _backward(ctx, d_out):

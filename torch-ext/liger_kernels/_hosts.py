@@ -184,17 +184,23 @@ def gated_form(cls) -> HostForm:
     return known
 
 
-def _hooks_anywhere(module: nn.Module, ignore=None) -> bool:
-    """Any module hook on ``module`` or a global one; ``ignore(hook)`` True leaves a hook of the module's own
-    out of the count."""
+def global_hooks() -> bool:
+    """Whether a global module hook is registered (``nn.modules.module.register_module_forward_hook`` and its
+    kin): it fires on every module call."""
     hooks = nn.modules.module
-    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return any(not (ignore and ignore(hook)) for table in own for hook in table.values()) or bool(
+    return bool(
         hooks._global_forward_hooks
         or hooks._global_forward_pre_hooks
         or hooks._global_backward_hooks
         or hooks._global_backward_pre_hooks
     )
+
+
+def _hooks_anywhere(module: nn.Module, ignore=None) -> bool:
+    """Any module hook on ``module`` or a global one; ``ignore(hook)`` True leaves a hook of the module's own
+    out of the count."""
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return any(not (ignore and ignore(hook)) for table in own for hook in table.values()) or global_hooks()
 
 
 def is_plain_linear(module, engine_gathers: bool = False) -> bool:

@@ -584,24 +584,28 @@ def denominators(target, ce_weight, opts: Options, dtype):
 def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, rows_shape, divisors=None):
     """(loss, z_loss, token_accuracy) from the row tensors, reduced as ``opts.reduction`` says; ``divisors``:
     ``denominators``' result where the caller has it already."""
-    accuracy = kept = None
+    if opts.reduction == "none":
+        accuracy = None
+        if want_accuracy:
+            accuracy = ((pred == target) & (target != opts.ignore_index)).to(torch.float32).view(rows_shape)
+        return (ce + z).view(rows_shape), z.view(rows_shape), accuracy
+    ce_part, z_loss, accuracy = reduced_parts(ce, z, pred, target, ce_weight, opts, want_accuracy, divisors)
+    return ce_part + z_loss, z_loss, accuracy
+
+
+def reduced_parts(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, divisors=None):
+    """ "mean" or "sum": (the cross-entropy's share of the loss, z_loss, token_accuracy); the loss is the first
+    plus the second."""
+    if opts.reduction == "sum":
+        z_loss, ce_part = z.sum(), ce.sum()
+    else:
+        weights, count = denominators(target, ce_weight, opts, ce.dtype) if divisors is None else divisors
+        z_loss, ce_part = z.sum() / count, ce.sum() / weights
+    accuracy = None
     if want_accuracy:
         kept = target != opts.ignore_index
-        accuracy = ((pred == target) & kept).to(torch.float32)
-    if opts.reduction == "none":
-        return (ce + z).view(rows_shape), z.view(rows_shape), None if accuracy is None else accuracy.view(rows_shape)
-    if opts.reduction == "sum":
-        z_loss = z.sum()
-        loss = ce.sum() + z_loss
-    else:
-        if divisors is None:
-            divisors = denominators(target, ce_weight, opts, ce.dtype)
-        weights, count = divisors
-        z_loss = z.sum() / count
-        loss = ce.sum() / weights + z_loss
-    if accuracy is not None:
-        accuracy = accuracy.sum() / kept.sum()
-    return loss, z_loss, accuracy
+        accuracy = ((pred == target) & kept).to(torch.float32).sum() / kept.sum()
+    return ce_part, z_loss, accuracy
 
 
 def row_scales(target, ce_weight, opts: Options, dtype, divisors=None):
@@ -654,40 +658,42 @@ class _EagerRows(torch.autograd.Function):
 
 
 class _EagerReduced(torch.autograd.Function):
-    """Eager "mean" and "sum" as one node, from the logits to (loss, z_loss, accuracy, pred). With
-    loss = sum(ce) / W + z_loss and z_loss = sum(z) / C ("sum": W = C = 1), backward needs only the rows'
-    scales d ce = d_loss / W and d z = (d_loss + d_z_loss) / C (what autograd would hand the rows through
-    the reduction's own nodes, which cost the host about ten aten ops more per backward) and one pass of the
-    gradient kernel."""
+    """Eager "mean" and "sum" as one node, from the logits to (sum(ce) / W, z_loss = sum(z) / C, accuracy, pred)
+    ("sum": W = C = 1); the caller adds the first two into the loss, so that z_loss stays upstream of the loss
+    in the graph, as with the reduction in autograd ops. Backward needs only the rows' scales, d ce = d_ce_part
+    / W and d z = d_z_loss / C (what autograd would hand the rows through the reduction's own nodes, which
+    cost the host about ten aten ops more per backward), and one pass of the gradient kernel."""
 
     @staticmethod
     def forward(ctx, logits, target, ce_weight, opts, want_pred, want_accuracy):
         lse, ce, z, pred = _rows_forward(logits, target, ce_weight, opts, want_pred)
         divisors = denominators(target, ce_weight, opts, ce.dtype) if opts.reduction == "mean" else ()
-        loss, z_loss, accuracy = reduce_rows(
-            ce, z, pred, target, ce_weight, opts, want_accuracy, target.shape, divisors=divisors or None
+        ce_part, z_loss, accuracy = reduced_parts(
+            ce, z, pred, target, ce_weight, opts, want_accuracy, divisors=divisors or None
         )
         # Without class weights both divisors are the count: saved once, divided by once.
         ctx.save_for_backward(logits, target, ce_weight, lse, *divisors[ce_weight is None :])
         ctx.opts = opts
         ctx.mark_non_differentiable(*[t for t in (accuracy, pred) if t is not None])
-        ctx.set_materialize_grads(False)  # an unused z_loss costs no zeros
-        return loss, z_loss, accuracy, pred
+        ctx.set_materialize_grads(False)
+        return ce_part, z_loss, accuracy, pred
 
     @staticmethod
-    def backward(ctx, d_loss, d_z_loss, d_accuracy, d_pred):
+    def backward(ctx, d_ce_part, d_z_loss, d_accuracy, d_pred):
         if torch.is_grad_enabled():
             raise RuntimeError(f"{OP}: double backward (create_graph=True) is not supported")
         logits, target, ce_weight, lse, *divisors = ctx.saved_tensors
-        d_z = d_loss if d_z_loss is None else d_z_loss if d_loss is None else d_loss + d_z_loss
-        if divisors:  # "mean": (W, C), or (C,) where W = C (no class weights)
-            d_z = d_z / divisors[-1]
-        if d_loss is None:
-            d_ce = torch.zeros_like(d_z)
-        elif d_z_loss is None and len(divisors) < 2:  # d_z is d_loss, divided by W = C ("mean") or not ("sum")
+        like = d_ce_part if d_ce_part is not None else d_z_loss
+        if d_z_loss is None:
+            d_z = torch.zeros_like(like)
+        else:
+            d_z = d_z_loss / divisors[-1] if divisors else d_z_loss  # "mean": (W, C), or (C,) where W = C
+        if d_ce_part is None:
+            d_ce = torch.zeros_like(like)
+        elif d_ce_part is d_z_loss and len(divisors) < 2:  # the loss's gradient alone, divided as d_z was
             d_ce = d_z
         else:
-            d_ce = d_loss / divisors[0] if divisors else d_loss
+            d_ce = d_ce_part / divisors[0] if divisors else d_ce_part
         total = class_weight_total(ce_weight)
         d_logits = row_grad(logits, target, ce_weight, total, lse, d_ce.to(lse.dtype), d_z.to(lse.dtype), ctx.opts)
         return d_logits, None, None, None, None, None
@@ -861,9 +867,10 @@ def cross_entropy(
     flat_target = (target if target.dim() == 1 else target.reshape(-1)).to(torch.int64).contiguous()
     route = _route(rows)
     if route == EAGER and opts.reduction != "none":
-        loss, z_loss, accuracy, pred = _EagerReduced.apply(
+        ce_part, z_loss, accuracy, pred = _EagerReduced.apply(
             rows, flat_target, ce_weight, opts, flags[1] or flags[2], flags[1]
         )
+        loss = ce_part + z_loss
     else:
         ce, z, pred = apply_rows(rows, flat_target, ce_weight, opts, flags[1] or flags[2], route)
         loss, z_loss, accuracy = reduce_rows(ce, z, pred, flat_target, ce_weight, opts, flags[1], target.shape)

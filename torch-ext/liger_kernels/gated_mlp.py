@@ -38,9 +38,13 @@ class GatedMLP:
         model calls this once per layer and token."""
         shape = _hosts.gated_form(type(module))
         act_fn = getattr(module, shape.act_attribute or "act_fn", None)
-        found = None if act_fn is None else _hosts.activation_of(act_fn, shape.act_attribute or "act_fn")
-        if found is None:  # the other attribute, then the config
-            found = _hosts.host_activation(module) or self.default
+        if act_fn is not None:
+            found = _hosts.activation_of(act_fn, shape.act_attribute or "act_fn")
+        elif shape.act_attribute:  # the attribute the forward calls is missing: its config first, then any
+            found = _hosts.host_activation(module, (shape.act_attribute,)) or _hosts.host_activation(module)
+        else:
+            found = _hosts.host_activation(module)
+        found = found or self.default
         if shape.problem is not None or found not in self.activations:
             wanted = " or ".join(_hosts.describe(a) for a in self.activations)
             why = shape.problem or f"it uses {_hosts.describe(found)}"
@@ -89,7 +93,9 @@ class GatedMLP:
 
 
 def _is_hooked(act_fn) -> bool:
-    return isinstance(act_fn, nn.Module) and _hosts.has_hooks(act_fn)
+    """Hooks that must see the activation module called: its own, or global module hooks (which fire on it in
+    the host's forward)."""
+    return isinstance(act_fn, nn.Module) and (_hosts.has_hooks(act_fn) or _hosts.global_hooks())
 
 
 swiglu_mlp = GatedMLP("LigerSwiGLUMLP", ["silu"], default="silu")
