@@ -247,8 +247,20 @@ def fsdp2_stale_compute_params(rank, world, port, variant_root, options, out_dir
 def zero_case(rank, world, port, variant_root, options, out_dir):
     """DeepSpeed ZeRO (stage 2 or 3) with tiled MLPs against an untiled single-process run on the global
     batch: every gradient (gathered), and the weights after one SGD step with lr 1."""
+    batch = {"backend": options.get("backend", "gloo"), "cases": {"case": options}}
+    result = zero_cases(rank, world, port, variant_root, batch, None)["case"]
+    if "error" in result:
+        raise RuntimeError(result["error"])
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def zero_cases(rank, world, port, variant_root, options, out_dir):
+    """``zero_case`` for each of ``options["cases"]`` (name: options) in one process per rank, so the suite
+    pays for starting DeepSpeed once: {name: result}, where a case that raised holds its error. Every case
+    builds and releases its own engine and models."""
     import copy
     import os
+    import traceback
 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -258,12 +270,20 @@ def zero_case(rank, world, port, variant_root, options, out_dir):
     if options.get("backend") == "nccl":
         torch.cuda.set_device(rank)
     deepspeed.init_distributed(dist_backend=options.get("backend", "gloo"), timeout=datetime.timedelta(seconds=90))
+    results = {}
     try:
-        result = _zero_run(rank, world, Path(variant_root), options, deepspeed, copy)
-        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()
+        for name, case in options["cases"].items():
+            try:
+                case = {"backend": options.get("backend", "gloo"), **case}
+                results[name] = _zero_run(rank, world, Path(variant_root), case, deepspeed, copy)
+            except Exception:  # noqa: BLE001  (reported per case; the ranks meet at the barrier below)
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+        if out_dir is not None:
+            (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
+    return results
 
 
 def _zero_run(rank, world, variant_root, options, deepspeed, copy):
