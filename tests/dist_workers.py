@@ -270,19 +270,29 @@ def zero_cases(rank, world, port, variant_root, options, out_dir):
     if options.get("backend") == "nccl":
         torch.cuda.set_device(rank)
     deepspeed.init_distributed(dist_backend=options.get("backend", "gloo"), timeout=datetime.timedelta(seconds=90))
-    results = {}
+    results, broken = {}, None
     try:
         for name, case in options["cases"].items():
+            if broken is not None:
+                results[name] = {"error": f"not run: the ranks lost each other in {broken!r}"}
+                continue
             try:
                 case = {"backend": options.get("backend", "gloo"), **case}
                 results[name] = _zero_run(rank, world, Path(variant_root), case, deepspeed, copy)
             except Exception:  # noqa: BLE001  (reported per case; the ranks meet at the barrier below)
                 results[name] = {"error": traceback.format_exc()}
-            dist.barrier()
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001  (a case that failed on the other rank only: it timed out in a collective)
+                broken = name
+                results[name].setdefault("error", "the ranks did not meet after this case:\n" + traceback.format_exc())
+            if out_dir is not None:  # after every case: a later hang still leaves what ran
+                (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
         if out_dir is not None:
             (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
     finally:
-        dist.destroy_process_group()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
     return results
 
 

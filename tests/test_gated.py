@@ -200,40 +200,48 @@ def test_in_place_backward_with_a_retained_graph_is_exact(lk):
             assert rel_err(got, expected) < 1e-6
 
 
+SAVED_TENSOR_HOOKS = {
+    "a user's hook that keeps what it packs": lambda kept: torch.autograd.graph.saved_tensors_hooks(
+        lambda t: kept.append(t) or t, lambda t: t
+    ),
+    "save_on_cpu": lambda kept: torch.autograd.graph.save_on_cpu(),
+}
+
+
+@pytest.mark.parametrize("hook", sorted(SAVED_TENSOR_HOOKS) + ["checkpoint"])
 @pytest.mark.parametrize("op", sorted(IN_PLACE_CALLS))
-def test_in_place_backward_spares_tensors_a_saved_tensor_hook_kept(lk, op, monkeypatch):
-    """A user's saved-tensor hook that keeps what it packs (activation logging) still holds gate's and up's
-    values after backward: the gradients go to fresh buffers. Under checkpointing (a handle, then a recompute)
-    and CPU offloading (a copy) nothing the caller holds is written, and backward still writes in place."""
+def test_in_place_backward_is_not_taken_under_saved_tensor_hooks(lk, op, hook, monkeypatch):
+    """Under any saved-tensor hook an unpacked tensor skips autograd's version check: gate written over by
+    the in-place backward would reach another node that saved it (here the product with c) without an error,
+    and a user's pack may keep gate and up themselves. The opt-in then writes fresh gradients: every
+    gradient exact, every kept tensor intact."""
     require_interpreted_triton()
     call = IN_PLACE_CALLS[op]
     x_a, x_b, _ = make_pair((4, 40), torch.float32)
+    c = torch.randn(4, 40, requires_grad=True)
     d_out = torch.randn(4, 40)
+
+    def region(a, b, c, in_place):
+        gate, up = a * 1.0, b * 1.0
+        return (call(lk, gate, up, in_place) * d_out).sum() + (gate * c).sum()  # gate saved by a second node
+
     with backend("triton"):
-        want = torch.autograd.grad(call(lk, x_a * 1.0, x_b * 1.0, False), (x_a, x_b), d_out)
+        want = torch.autograd.grad(region(x_a, x_b, c, False), (x_a, x_b, c))
         kept = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
-            out = call(lk, x_a * 1.0, x_b * 1.0, True)
+        allocations = CountingAllocator(lk, monkeypatch)
+        if hook == "checkpoint":
+            loss = torch.utils.checkpoint.checkpoint(region, x_a, x_b, c, True, use_reentrant=False)
+        else:
+            with SAVED_TENSOR_HOOKS[hook](kept):
+                loss = region(x_a, x_b, c, True)
         values = [t.detach().clone() for t in kept]
-        got = torch.autograd.grad(out, (x_a, x_b), d_out)
-        assert len(kept) == 2 and all(torch.equal(t, v) for t, v in zip(kept, values)), "a kept tensor was written"
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
-        for wrap in ("checkpoint", "save_on_cpu"):
-
-            def run(a, b):
-                return call(lk, a * 1.0, b * 1.0, True)
-
-            if wrap == "checkpoint":
-                out = torch.utils.checkpoint.checkpoint(run, x_a, x_b, use_reentrant=False)
-            else:
-                with torch.autograd.graph.save_on_cpu():
-                    out = run(x_a, x_b)
-            allocations = CountingAllocator(lk, monkeypatch)
-            got = torch.autograd.grad(out, (x_a, x_b), d_out)
-            monkeypatch.undo()
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), wrap
-            forwards = 1 if wrap == "checkpoint" else 0  # the checkpoint's recompute allocates its output
-            assert allocations.count == forwards, f"{wrap}: backward allocated gradient buffers"
+        allocations.count = 0
+        got = torch.autograd.grad(loss, (x_a, x_b, c))
+    assert all(torch.equal(t, v) for t, v in zip(kept, values)), "a kept tensor was written"
+    for name, g, w in zip(("a", "b", "c"), got, want):
+        assert rel_err(g, w) < 1e-6, f"{name}: {rel_err(g, w):.2e}"
+    forwards = 1 if hook == "checkpoint" else 0  # the checkpoint's recompute allocates its output once more
+    assert allocations.count == forwards + 2, "backward wrote over gate and up"
 
 
 @pytest.mark.parametrize("form", ["Function", "silu_mul"])

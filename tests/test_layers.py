@@ -169,6 +169,44 @@ def test_layer_backward_allocates_no_gate_or_up_buffers(lk, layer, make_host, mo
         assert torch.equal(keeper.kept[0].detach(), kept)
 
 
+@pytest.mark.parametrize("wrap", ["checkpoint", "save_on_cpu", "a user's hook that keeps what it packs"])
+@pytest.mark.parametrize("layer, make_host", [("LigerSwiGLUMLP", llama_mlp), ("LigerGEGLUMLP", gemma_mlp)])
+def test_layer_backward_under_saved_tensor_hooks(lk, layer, make_host, wrap, monkeypatch):
+    """The layer's gate and up are its own (no other node saves them): under gradient checkpointing and CPU
+    offloading backward still writes over them. Under a user's saved-tensor hook that keeps what it packs, it
+    writes fresh gradients and the kept tensors are intact. The gradients equal the host's in every case."""
+    if not INTERPRETED:
+        pytest.skip("runs the Triton path on CPU tensors through the interpreter; test_gpu.py covers CUDA")
+    from test_gated import CountingAllocator
+
+    torch.manual_seed(0)
+    plain = make_host()
+    x = torch.randn(4, 9, HIDDEN)
+    with backend("triton"):
+        host = bind(getattr(lk, layer), copy.deepcopy(plain))
+        leaves = [x.clone().requires_grad_(), *host.parameters()]
+        kept = []
+        allocations = CountingAllocator(lk, monkeypatch)
+        if wrap == "checkpoint":
+            out = torch.utils.checkpoint.checkpoint(host, leaves[0], use_reentrant=False)
+        elif wrap == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                out = host(leaves[0])
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+                out = host(leaves[0])
+        values = [t.detach().clone() for t in kept]
+        allocations.count = 0
+        got = torch.autograd.grad(out.sum(), leaves)
+    reference = [x.clone().requires_grad_(), *plain.parameters()]
+    want = torch.autograd.grad(plain(reference[0]).sum(), reference)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-5
+    assert all(torch.equal(t, v) for t, v in zip(kept, values)), "a kept tensor was written"
+    forwards = 1 if wrap == "checkpoint" else 0  # the recompute allocates the activation's output once more
+    assert allocations.count == forwards + (2 if kept else 0)
+
+
 class TaggedLinear(torch.nn.Linear):
     """A Linear tagged "Linear" for kernelize (transformers tags none of its own)."""
 

@@ -122,26 +122,32 @@ def is_finite(value) -> bool:
 
 
 _top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-# Saved-tensor hooks whose pack never keeps the tensor it is handed: torch.utils.checkpoint's (non-reentrant: it
-# keeps a handle and recomputes; the recomputed tensor is handed to one unpack) and save_on_cpu's (a copy).
-_PACKS_THAT_LET_GO = (
+# Saved-tensor hooks that keep no reference of their own to what they pack: torch.utils.checkpoint's
+# (non-reentrant: a handle, then the recomputed tensor handed to each node that saved it) and save_on_cpu's (a
+# CPU copy of a GPU tensor; on the CPU, the tensor itself, held only by the saving node).
+_PACKS_THAT_KEEP_NOTHING = (
     ("torch.utils.checkpoint", "_checkpoint_hook."),
     ("torch.autograd.graph", "save_on_cpu."),
 )
 
 
-def saved_tensors_may_be_kept() -> bool:
-    """Whether a saved-tensor hook is active (``torch.autograd.graph.saved_tensors_hooks``) whose pack may keep
-    the very tensors it saves, so that the caller can still read them after backward: any hook but
-    checkpointing's and CPU offloading's, and any hook where this PyTorch cannot tell."""
+def saved_tensor_hooks_forbid_writing(own_buffers: bool) -> bool:
+    """Whether a saved-tensor hook is active (``torch.autograd.graph.saved_tensors_hooks``) under which a backward
+    must not write over the tensors its node saved. Under any hook an unpacked tensor skips autograd's version
+    check, so another node that saved the same tensor would read the gradients without an error, and a user's
+    pack may keep the tensors themselves. ``own_buffers``: the caller proves no other node saved them (a
+    layer's gate and up, made and consumed inside the layer); then the hooks that keep nothing (checkpointing,
+    CPU offloading) allow it. True where this PyTorch cannot tell."""
     if _top_saved_tensor_hooks is None:
         return True
     hooks = _top_saved_tensor_hooks(False)
     if hooks is None:
         return False
+    if not own_buffers:
+        return True
     pack = hooks[0]
     module, name = getattr(pack, "__module__", None), getattr(pack, "__qualname__", "")
-    return not any(module == m and name.startswith(prefix) for m, prefix in _PACKS_THAT_LET_GO)
+    return not any(module == m and name.startswith(prefix) for m, prefix in _PACKS_THAT_KEEP_NOTHING)
 
 
 def forward_ad_active() -> bool:

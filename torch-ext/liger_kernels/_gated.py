@@ -306,9 +306,10 @@ def gated_recompute_backward(d_out, gate, up, activation) -> torch.Tensor:
 # * In-place backward (gradients written over gate's and up's buffers) is taken only where it is provably
 #   harmless: both are outputs of autograd ops (not leaves, nor views of leaves, whose values the caller
 #   owns), they do not share storage (an aliased pair would read what it already overwrote), no saved-tensor
-#   hook may have kept them (``_backend.saved_tensors_may_be_kept``: a user's pack that keeps the tensors
-#   would read gradients after backward; checkpointing's recomputes, offloading's copies), and the graph is
-#   not being retained (a second backward would read gradients instead of activations).
+#   hook is active (``_backend.saved_tensor_hooks_forbid_writing``: unpacked tensors skip autograd's version
+#   check, and a user's pack may keep them; the layers' own gate and up, which no other node saves, are
+#   still written over under checkpointing and CPU offloading), and the graph is not being retained (a second
+#   backward would read gradients instead of activations).
 
 
 def function_forward(gate, up, activation, gate_multiplier, down_multiplier) -> torch.Tensor:
@@ -371,12 +372,13 @@ def graph_is_retained() -> bool:
     return True if _keep_graph is None else _keep_graph()
 
 
-def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place) -> None:
+def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place, own_buffers=False) -> None:
+    """``own_buffers``: gate and up are the caller's own, saved by no other node (see the contract above)."""
     ctx.save_for_backward(gate, up)
     ctx.activation = activation
     ctx.gate_multiplier = gate_multiplier
     ctx.down_multiplier = down_multiplier
-    ctx.in_place = in_place and may_write_over(gate, up) and not _backend.saved_tensors_may_be_kept()
+    ctx.in_place = in_place and may_write_over(gate, up) and not _backend.saved_tensor_hooks_forbid_writing(own_buffers)
 
 
 def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -458,7 +460,7 @@ def _setup_context(ctx, inputs, output):
         in_place_backward
         and not torch.compiler.is_compiling()
         and may_write_over(gate, up)
-        and not _backend.saved_tensors_may_be_kept()
+        and not _backend.saved_tensor_hooks_forbid_writing(False)
     )
 
 
@@ -497,17 +499,20 @@ torch.library.register_autograd(gated_forward_op, _backward, setup_context=_setu
 
 class _EagerGated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place):
-        save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place)
+    def forward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place, own_buffers):
+        save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place, own_buffers)
         return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
 
     @staticmethod
     def backward(ctx, d_out):
-        return (*backward_from_ctx(ctx, d_out), None, None, None, None)
+        return (*backward_from_ctx(ctx, d_out), None, None, None, None, None)
 
 
-def gated_apply(gate, up, activation: GatedActivation, gate_multiplier, down_multiplier, in_place_backward):
-    """The fused op with autograd, for validated inputs.
+def gated_apply(
+    gate, up, activation: GatedActivation, gate_multiplier, down_multiplier, in_place_backward, own_buffers=False
+):
+    """The fused op with autograd, for validated inputs. ``own_buffers``: the caller made gate and up and
+    hands them to nothing else (the layers), so the in-place backward is safe under checkpointing too.
 
     torch.export and torch.func get the PyTorch composite: an exported program then holds only aten ops and
     loads wherever PyTorch does (the torch.library namespace is per build), and transformed tensors have no
@@ -518,7 +523,7 @@ def gated_apply(gate, up, activation: GatedActivation, gate_multiplier, down_mul
         return gated_forward_op(gate, up, activation.name, gate_multiplier, down_multiplier, in_place_backward)
     if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):  # inference: no graph to record
         return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
-    return _EagerGated.apply(gate, up, activation, gate_multiplier, down_multiplier, in_place_backward)
+    return _EagerGated.apply(gate, up, activation, gate_multiplier, down_multiplier, in_place_backward, own_buffers)
 
 
 def gated_mul(a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):

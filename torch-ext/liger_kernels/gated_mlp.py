@@ -77,7 +77,7 @@ class GatedMLP:
                 and _hosts.is_plain_linear(gate_proj)
                 and _hosts.is_plain_linear(up_proj)
             )
-        return module.down_proj(_gated.gated_apply(gate, up, activation, 1.0, 1.0, in_place))
+        return module.down_proj(_gated.gated_apply(gate, up, activation, 1.0, 1.0, in_place, own_buffers=True))
 
     def tiled_fast_path(self, module: nn.Module) -> GatedActivation | None:
         """The activation, when the tiled MLP may compute this math from the projections' weights directly:
