@@ -131,6 +131,11 @@ _PACKS_THAT_KEEP_NOTHING = (
 )
 
 
+def saved_tensor_hooks_active() -> bool:
+    """Whether any saved-tensor hook is active (True where this PyTorch cannot tell)."""
+    return _top_saved_tensor_hooks is None or _top_saved_tensor_hooks(False) is not None
+
+
 def saved_tensor_hooks_forbid_writing(own_buffers: bool) -> bool:
     """Whether a saved-tensor hook is active (``torch.autograd.graph.saved_tensors_hooks``) under which a backward
     must not write over the tensors its node saved. Under any hook an unpacked tensor skips autograd's version
@@ -140,7 +145,7 @@ def saved_tensor_hooks_forbid_writing(own_buffers: bool) -> bool:
     CPU offloading) allow it. True where this PyTorch cannot tell."""
     if _top_saved_tensor_hooks is None:
         return True
-    hooks = _top_saved_tensor_hooks(False)
+    hooks = _top_saved_tensor_hooks(False)  # (not saved_tensor_hooks_active(): one call fewer per layer call)
     if hooks is None:
         return False
     if not own_buffers:

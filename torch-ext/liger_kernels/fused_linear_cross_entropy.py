@@ -326,7 +326,7 @@ def _forward(ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dty
         ctx.save_for_backward(input, weight, target, bias, ce_weight, lse)
     else:  # saved, so that autograd drops them after a backward that does not retain the graph
         ctx.save_for_backward(*grads)
-        ctx.scale, ctx.in_place = None, not _saved_tensor_hooks_active()
+        ctx.scale, ctx.in_place = None, not _backend.saved_tensor_hooks_active()
     return loss, z_loss, accuracy, pred
 
 
@@ -354,11 +354,6 @@ def _backward(ctx, d_loss):
         return tuple(grads)
     ratio = d_loss / ctx.scale
     return tuple(None if g is None else g * ratio for g in grads)
-
-
-def _saved_tensor_hooks_active() -> bool:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
 
 
 class _EagerFunction(torch.autograd.Function):
