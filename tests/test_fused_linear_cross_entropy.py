@@ -12,7 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from harness import FLCE_CASES as CASES
-from harness import INTERPRETED, ROOT, backend, linear64, make_inputs, reference_loss, reference_z_loss, rel_err
+from harness import (
+    INTERPRETED,
+    ROOT,
+    backend,
+    linear64,
+    make_inputs,
+    quantize,
+    reference_loss,
+    reference_z_loss,
+    rel_err,
+    truncates_bf16,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 # fp32 arithmetic summed over H and over the rows of a chunk: 16 ulps in norm. A wrong term errs by >= 1e-3.
@@ -267,6 +278,20 @@ def test_backward_twice_through_a_retained_graph(lk):
     handed.zero_()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_incoming_gradient_scales_each_gradient_once(lk, dtype, backend_name):
+    """The gradients computed in forward are scaled by the fp32 incoming gradient and rounded once (on the
+    Triton path by a kernel that reads it on the device and leaves the gradients as they are where it is 1)."""
+    x, weight, bias, target, _, _ = make_inputs(N, H, V, dtype=dtype, case="bias")
+    unit = torch.autograd.grad(lk.liger_fused_linear_cross_entropy(x, weight, target, bias), (x, weight, bias))
+    truncate = truncates_bf16(backend_name)
+    for d_loss in (1.0, 0.37, -3.0):
+        loss = lk.liger_fused_linear_cross_entropy(x, weight, target, bias)
+        got = torch.autograd.grad(loss, (x, weight, bias), torch.tensor(d_loss))
+        for g, u in zip(got, unit):
+            assert torch.equal(g, quantize(u.float() * d_loss, dtype, truncate)), (dtype, d_loss)
 
 
 def test_saved_tensor_hooks(lk):

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from . import _backend, _replay
 from . import cross_entropy as _ce
-from ._backend import use_triton
+from ._backend import constexpr, jit, tl, use_triton
+from ._launch import launch
 from .cross_entropy import CrossEntropyOutput, Options
 
 __all__ = ["CrossEntropyOutput", "LigerFusedLinearCrossEntropyFunction", "liger_fused_linear_cross_entropy"]
@@ -330,6 +331,38 @@ def _forward(ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dty
     return loss, z_loss, accuracy, pred
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Scaling the handed-over gradients by the incoming gradient, in place. ``grad.mul_(d_loss)`` with a 0-d GPU
+# d_loss of another dtype runs PyTorch's unvectorized mixed-dtype kernel: 3.6 ms a step for a Llama-3-8B head at
+# 64k tokens, for a multiplication by 1 in the usual ``loss.backward()`` (benchmarks/NOTES.md §21). This kernel
+# reads d_loss on the device (no host sync) and writes nothing where it is 1; otherwise each gradient is
+# multiplied by the fp32 d_loss and rounded once (mul_ on the GPU first rounds d_loss to the gradient's dtype).
+
+SCALE_BLOCK = 4096
+
+
+@jit
+def _scale_kernel(grad_ptr, d_loss_ptr, n_elements, BLOCK: constexpr):
+    scale = tl.load(d_loss_ptr).to(tl.float32)
+    if scale != 1.0:  # a NaN scale multiplies too
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n_elements
+        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        tl.store(grad_ptr + offsets, (grad * scale).to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_in_place(grad, d_loss) -> None:
+    """``grad.mul_(d_loss)`` for a 0-d ``d_loss``, without bumping grad's version (see ``_backward``)."""
+    if use_triton(grad) and grad.is_contiguous() and d_loss.device == grad.device and grad.numel() > 0:
+        n = grad.numel()
+        launch(
+            _scale_kernel, ((n + SCALE_BLOCK - 1) // SCALE_BLOCK,), (grad, d_loss, n), BLOCK=SCALE_BLOCK, num_warps=8
+        )
+        return
+    with torch.autograd._unsafe_preserve_version_counter(grad):
+        grad.mul_(d_loss)
+
+
 def _backward(ctx, d_loss):
     if torch.is_grad_enabled():
         raise RuntimeError(DOUBLE_BACKWARD)
@@ -348,8 +381,7 @@ def _backward(ctx, d_loss):
         # later backward through a retained graph can still read them and rescale.
         for grad in grads:
             if grad is not None:
-                with torch.autograd._unsafe_preserve_version_counter(grad):
-                    grad.mul_(d_loss)
+                _scale_in_place(grad, d_loss)
         ctx.scale = d_loss.clone()  # grad mode is off here (checked above): no detach needed
         return tuple(grads)
     ratio = d_loss / ctx.scale
