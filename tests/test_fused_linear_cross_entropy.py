@@ -256,8 +256,9 @@ def test_double_backward_raises(lk, backend_name):
 
 
 def test_backward_twice_through_a_retained_graph(lk):
-    """The gradients are handed over (scaled in place) by the first backward; a second backward rescales them,
-    and raises autograd's in-place error if they were modified in between."""
+    """Under a retained graph the gradients computed in forward are scaled out of place, so that a later backward
+    finds them as forward left them, whatever the first incoming gradient was (0 and inf included) and whatever
+    was done to a returned gradient; without it they are scaled in place and handed over."""
     x, weight, _, target, _, _ = make_inputs(N, H, V)
     loss = lk.liger_fused_linear_cross_entropy(x, weight, target)
     first = [g.clone() for g in torch.autograd.grad(loss, (x, weight), torch.tensor(2.0), retain_graph=True)]
@@ -273,25 +274,45 @@ def test_backward_twice_through_a_retained_graph(lk):
     lk.liger_fused_linear_cross_entropy(x, weight, target).backward()  # accumulates into weight.grad
     loss.backward()
     torch.testing.assert_close(weight.grad, 1.5 * first[1], rtol=1e-6, atol=0)
-    loss = lk.liger_fused_linear_cross_entropy(x, weight, target)
-    (handed,) = torch.autograd.grad(loss, weight, retain_graph=True)
-    handed.zero_()
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
+    for d_first in (0.0, float("inf"), float("nan")):
+        loss = lk.liger_fused_linear_cross_entropy(x, weight, target)
+        handed = torch.autograd.grad(loss, (x, weight), torch.tensor(d_first), retain_graph=True)
+        for g in handed:
+            g.zero_()
+        again = torch.autograd.grad(loss, (x, weight), torch.tensor(0.5))
+        for a, b in zip(again, first):
+            torch.testing.assert_close(a, b / 4, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_incoming_gradient_scales_each_gradient_once(lk, dtype, backend_name):
     """The gradients computed in forward are scaled by the fp32 incoming gradient and rounded once (on the
     Triton path by a kernel that reads it on the device and leaves the gradients as they are where it is 1)."""
-    x, weight, bias, target, _, _ = make_inputs(N, H, V, dtype=dtype, case="bias")
+    x, weight, bias, target, _, _ = make_inputs(N, H, 600, dtype=dtype, case="bias")  # weight: 2 kernel blocks
     unit = torch.autograd.grad(lk.liger_fused_linear_cross_entropy(x, weight, target, bias), (x, weight, bias))
     truncate = truncates_bf16(backend_name)
-    for d_loss in (1.0, 0.37, -3.0):
-        loss = lk.liger_fused_linear_cross_entropy(x, weight, target, bias)
-        got = torch.autograd.grad(loss, (x, weight, bias), torch.tensor(d_loss))
-        for g, u in zip(got, unit):
-            assert torch.equal(g, quantize(u.float() * d_loss, dtype, truncate)), (dtype, d_loss)
+    for d_loss in (1.0, 0.37, -3.0, -0.0, float("inf"), float("nan")):
+        for retain in (False, True):  # in place, and out of place
+            loss = lk.liger_fused_linear_cross_entropy(x, weight, target, bias)
+            got = torch.autograd.grad(loss, (x, weight, bias), torch.tensor(d_loss), retain_graph=retain)
+            for g, u in zip(got, unit):
+                want = quantize(u.float() * d_loss, dtype, truncate)
+                assert torch.equal(g.isnan(), want.isnan()), (dtype, d_loss, retain)
+                assert torch.equal(g.nan_to_num(), want.nan_to_num()), (dtype, d_loss, retain)
+
+
+def test_compiled_autograd_scales_like_eager(lk, backend_name):
+    """Compiled autograd traces the backward with PyTorch ops (its tracer cannot run a kernel launch)."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    x, weight, bias, target, _, _ = make_inputs(N, H, V, case="bias")
+    unit = torch.autograd.grad(lk.liger_fused_linear_cross_entropy(x, weight, target, bias), (x, weight, bias))
+    loss = lk.liger_fused_linear_cross_entropy(x, weight, target, bias) * 0.37
+    torch._dynamo.reset()
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        loss.backward()
+    for leaf, u in zip((x, weight, bias), unit):
+        torch.testing.assert_close(leaf.grad, u * 0.37, rtol=1e-6, atol=0)
 
 
 def test_saved_tensor_hooks(lk):
@@ -346,6 +367,15 @@ def test_accum_dtype_and_autocast(lk, backend_name):
     slack = 2.0 if backend_name == "triton" and INTERPRETED else 1.0
     for got, base, ref in zip((loss, *grads), (eager, *eager_grads), (reference_loss(logits, target), *want_grads)):
         assert rel_err(got, ref) <= 1.5 * slack * rel_err(base, ref) + 1e-6
+    # fp64 parameters under autocast: the GEMMs in bf16, the gradients back in fp64 (a dtype the kernels do not
+    # take, so their scaling runs in PyTorch, whichever backend is set), scaled by a non-unit incoming gradient.
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, weight))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unit = torch.autograd.grad(lk.liger_fused_linear_cross_entropy(x64, w64, target), (x64, w64))
+        loss = lk.liger_fused_linear_cross_entropy(x64, w64, target)
+    grads = torch.autograd.grad(loss, (x64, w64), torch.tensor(0.37))
+    assert [g.dtype for g in grads] == [torch.float64] * 2
+    assert all(torch.equal(g, u * torch.tensor(0.37)) for g, u in zip(grads, unit))
 
 
 def test_chunk_rows_rule(lk):
@@ -622,6 +652,35 @@ def test_cuda_every_option_against_float64(lk, case, reduction):
     bound = 64 * torch.finfo(torch.float32).eps
     assert rel_err(loss, want) <= bound
     assert all(rel_err(g, r) <= bound for g, r in zip(got, ref)), [rel_err(g, r) for g, r in zip(got, ref)]
+
+
+@pytest.mark.gpu
+def test_cuda_incoming_gradient_scaling(lk):
+    """The compiled scale kernel in bf16: one rounding of the fp32 product, in place and (retained graph) out of
+    place, over many kernel blocks; under compiled autograd PyTorch's multiply (d_loss rounded to bf16 first)."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    with backend("auto"):
+        x, weight, bias, target, _, _ = make_inputs(512, 256, 3000, torch.bfloat16, case="bias", seed=0, device="cuda")
+        unit = torch.autograd.grad(lk.liger_fused_linear_cross_entropy(x, weight, target, bias), (x, weight, bias))
+        for d_loss in (1.0, 0.37, float("nan")):
+            for retain in (False, True):
+                loss = lk.liger_fused_linear_cross_entropy(x, weight, target, bias)
+                got = torch.autograd.grad(
+                    loss, (x, weight, bias), torch.tensor(d_loss, device="cuda"), retain_graph=retain
+                )
+                for g, u in zip(got, unit):
+                    want = (u.float() * d_loss).to(torch.bfloat16)
+                    assert torch.equal(g.isnan(), want.isnan()) and torch.equal(g.nan_to_num(), want.nan_to_num())
+        loss = lk.liger_fused_linear_cross_entropy(x, weight, target, bias) * 0.37
+        for leaf in (x, weight, bias):
+            leaf.grad = None
+        torch._dynamo.reset()
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            loss.backward()
+        for leaf, u in zip((x, weight, bias), unit):
+            assert rel_err(leaf.grad, u.float() * 0.37) < torch.finfo(torch.bfloat16).eps
+        torch._dynamo.reset()
 
 
 @pytest.mark.gpu

@@ -155,6 +155,15 @@ def saved_tensor_hooks_forbid_writing(own_buffers: bool) -> bool:
     return not any(module == m and name.startswith(prefix) for m, prefix in _PACKS_THAT_KEEP_NOTHING)
 
 
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def graph_is_retained() -> bool:
+    """Whether the running backward keeps the graph (retain_graph=True, autograd.functional.jacobian...), so that
+    it may run again over the same saved tensors; assumed so where this PyTorch cannot tell."""
+    return True if _keep_graph is None else _keep_graph()
+
+
 def forward_ad_active() -> bool:
     """Whether a forward-mode AD dual level is open (``torch.autograd.forward_ad``). The kernels have no JVP, and
     a dual tensor's tangent would not survive them: the ops run their differentiable PyTorch form instead."""

@@ -14,7 +14,7 @@ import numbers
 import torch
 
 from . import _backend
-from ._backend import constexpr, jit, tl, use_triton
+from ._backend import constexpr, graph_is_retained, jit, tl, use_triton
 from ._launch import launch
 from .activations import REGISTRY, GatedActivation
 
@@ -361,15 +361,6 @@ def may_write_over(gate, up) -> bool:
         if torch._debug_has_internal_overlap(t) != 0:  # expanded (stride-0) or otherwise self-overlapping
             return False
     return gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
-
-
-_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-
-
-def graph_is_retained() -> bool:
-    """Whether the running backward keeps the graph (retain_graph=True, autograd.functional.jacobian...);
-    assumed so where this PyTorch cannot tell."""
-    return True if _keep_graph is None else _keep_graph()
 
 
 def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place, own_buffers=False) -> None:

@@ -16,8 +16,8 @@ at most N. On the PyTorch path the itemsize is that of the fp32/fp64 compute dty
 accumulator, one chunk and the input gradient, 3.2 GiB, where the logits alone would take 7.8 GiB.)
 
 Gradients are computed in forward for "mean" and "sum"; backward scales them by the incoming gradient in
-place and hands them over (a later backward through a retained graph rescales them; if a returned gradient
-was modified in place in between, autograd's in-place check raises). For "none" the incoming
+place and hands them over, or, where the graph is retained or saved-tensor hooks are active, scales copies
+(a later backward then finds them as forward left them). For "none" the incoming
 gradient is per row and must weight each row before the rows are summed into the weight gradient, so forward
 keeps the row logsumexps and backward recomputes the chunks' logits.
 
@@ -327,40 +327,54 @@ def _forward(ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dty
         ctx.save_for_backward(input, weight, target, bias, ce_weight, lse)
     else:  # saved, so that autograd drops them after a backward that does not retain the graph
         ctx.save_for_backward(*grads)
-        ctx.scale, ctx.in_place = None, not _backend.saved_tensor_hooks_active()
+        ctx.in_place = not _backend.saved_tensor_hooks_active()
     return loss, z_loss, accuracy, pred
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Scaling the handed-over gradients by the incoming gradient, in place. ``grad.mul_(d_loss)`` with a 0-d GPU
-# d_loss of another dtype runs PyTorch's unvectorized mixed-dtype kernel: 3.6 ms a step for a Llama-3-8B head at
-# 64k tokens, for a multiplication by 1 in the usual ``loss.backward()`` (benchmarks/NOTES.md §21). This kernel
-# reads d_loss on the device (no host sync) and writes nothing where it is 1; otherwise each gradient is
-# multiplied by the fp32 d_loss and rounded once (mul_ on the GPU first rounds d_loss to the gradient's dtype).
+# Scaling the gradients computed in forward by the incoming gradient. ``grad * d_loss`` or ``grad.mul_(d_loss)``
+# with a 0-d GPU d_loss of another dtype runs PyTorch's unvectorized mixed-dtype kernel: 3.6 ms a step for a
+# Llama-3-8B head at 64k tokens, for a multiplication by 1 in the usual ``loss.backward()`` (benchmarks/NOTES.md
+# §21). This kernel reads d_loss on the device (no host sync); each gradient is multiplied by the fp32 d_loss
+# and rounded once (PyTorch's GPU multiply first rounds d_loss to the gradient's dtype). In place, it writes
+# nothing where d_loss is 1.
 
 SCALE_BLOCK = 4096
 
 
 @jit
-def _scale_kernel(grad_ptr, d_loss_ptr, n_elements, BLOCK: constexpr):
+def _scale_kernel(grad_ptr, d_loss_ptr, out_ptr, n_elements, IN_PLACE: constexpr, BLOCK: constexpr):
     scale = tl.load(d_loss_ptr).to(tl.float32)
-    if scale != 1.0:  # a NaN scale multiplies too
+    if not IN_PLACE or scale != 1.0:  # (a NaN scale multiplies)
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n_elements
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-        tl.store(grad_ptr + offsets, (grad * scale).to(grad_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offsets, (grad * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _scale_in_place(grad, d_loss) -> None:
-    """``grad.mul_(d_loss)`` for a 0-d ``d_loss``, without bumping grad's version (see ``_backward``)."""
-    if use_triton(grad) and grad.is_contiguous() and d_loss.device == grad.device and grad.numel() > 0:
+def _scaled(grad, d_loss, in_place: bool):
+    """``grad * d_loss`` for a 0-d ``d_loss``; with ``in_place``, written over ``grad`` without bumping its version
+    (see ``_backward``). The kernel only where it runs on both (not under compiled autograd, whose tracer runs
+    PyTorch ops)."""
+    if grad is None:
+        return None
+    if (
+        grad.dtype in _backend.TRITON_DTYPES
+        and use_triton(grad)
+        and grad.is_contiguous()
+        and d_loss.device == grad.device
+        and grad.numel() > 0
+        and not torch.compiler.is_compiling()
+    ):
         n = grad.numel()
-        launch(
-            _scale_kernel, ((n + SCALE_BLOCK - 1) // SCALE_BLOCK,), (grad, d_loss, n), BLOCK=SCALE_BLOCK, num_warps=8
-        )
-        return
+        out = grad if in_place else _backend.new_like(grad)
+        grid = ((n + SCALE_BLOCK - 1) // SCALE_BLOCK,)
+        launch(_scale_kernel, grid, (grad, d_loss, out, n), IN_PLACE=in_place, BLOCK=SCALE_BLOCK, num_warps=8)
+        return out
+    if not in_place:
+        return grad * d_loss
     with torch.autograd._unsafe_preserve_version_counter(grad):
-        grad.mul_(d_loss)
+        return grad.mul_(d_loss)
 
 
 def _backward(ctx, d_loss):
@@ -373,19 +387,13 @@ def _backward(ctx, d_loss):
             return backward_rows_core(
                 d_loss, input, weight, target, bias, ce_weight, lse, opts, dtype, accum_dtype, needs
             )
-    grads = ctx.saved_tensors  # raises if a handed-over buffer was modified since (accumulated into as .grad)
-    if not ctx.in_place:  # saved-tensor hooks (offloading, checkpointing) hand back copies: scale out of place
-        return tuple(None if g is None else g * d_loss for g in grads)
-    if ctx.scale is None:
-        # The first backward scales the buffers in place and hands them over; their version is kept, so that a
-        # later backward through a retained graph can still read them and rescale.
-        for grad in grads:
-            if grad is not None:
-                _scale_in_place(grad, d_loss)
-        ctx.scale = d_loss.clone()  # grad mode is off here (checked above): no detach needed
-        return tuple(grads)
-    ratio = d_loss / ctx.scale
-    return tuple(None if g is None else g * ratio for g in grads)
+    grads = ctx.saved_tensors
+    # The gradients for an incoming gradient of 1 are scaled in place and handed over only where nothing can read
+    # them again: not under saved-tensor hooks (offloading, checkpointing: their unpacked copies), and not where
+    # the graph is retained (a second backward must find them unscaled: rescaling by a ratio of incoming
+    # gradients would divide by a first one of 0).
+    in_place = ctx.in_place and not _backend.graph_is_retained()
+    return tuple(_scaled(grad, d_loss, in_place) for grad in grads)
 
 
 class _EagerFunction(torch.autograd.Function):
