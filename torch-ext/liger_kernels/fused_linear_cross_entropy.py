@@ -354,8 +354,9 @@ def _scale_kernel(grad_ptr, d_loss_ptr, out_ptr, n_elements, IN_PLACE: constexpr
 
 def _scaled(grad, d_loss, in_place: bool):
     """``grad * d_loss`` for a 0-d ``d_loss``; with ``in_place``, written over ``grad`` without bumping its version
-    (see ``_backward``). The kernel only where it runs on both (not under compiled autograd, whose tracer runs
-    PyTorch ops)."""
+    (see ``_backward``). The kernel runs where Triton takes the gradient: not for fp64 gradients (autocast hands
+    them back for fp64 parameters, and a forced Triton backend would refuse them), nor under compiled autograd,
+    whose tracer needs PyTorch ops."""
     if grad is None:
         return None
     if (
