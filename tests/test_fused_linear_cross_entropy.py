@@ -130,6 +130,63 @@ def test_bfloat16_no_worse_than_eager(lk, backend_name, reduction, slab_rows, mo
         assert got.dtype == (torch.float32 if what == "loss" else torch.bfloat16)
 
 
+def _counting_accumulators(flce, monkeypatch) -> list:
+    """How many pieces each weight-gradient accumulator is made of, as ``_accumulators`` makes them (the
+    conversion empties the list of pieces later)."""
+    made, original = [], flce._accumulators
+
+    def counted(*args):
+        accumulators = original(*args)
+        made.extend([] if accumulators[1] is None else [len(accumulators[1])])
+        return accumulators
+
+    monkeypatch.setattr(flce, "_accumulators", counted)
+    return made
+
+
+def test_one_accumulator_only_where_neither_upcast_nor_conversion_costs_memory(lk):
+    """One weight-gradient accumulator (not slabs) where the GEMMs add into it without an upcast copy of the
+    chunk and the chunk buffer holds the converted gradient: Llama-3's head on CUDA in bf16; not where the sums
+    upcast the operands (ROCm, XPU, CPU, or accum_dtype=float64: a whole chunk upcast would be twice the chunk
+    buffer), nor where a chunk is smaller than the gradient (few tokens, or Gemma's 256k vocabulary at H 3072)."""
+    one = lk.fused_linear_cross_entropy._one_accumulator
+    bf16, fp32, fp64 = torch.bfloat16, torch.float32, torch.float64
+    assert one(32768, 4096, 128256, bf16, True, fp32, bf16, cublas=True)
+    assert not one(32768, 4096, 128256, bf16, True, fp32, bf16, cublas=False)
+    assert not one(32768, 4096, 128256, bf16, True, fp64, bf16, cublas=False)
+    assert not one(16, 4096, 128256, bf16, True, fp32, bf16, cublas=True)
+    assert not one(32768, 3072, 256000, bf16, True, fp32, bf16, cublas=True)
+    assert not one(0, 4096, 128256, bf16, True, fp32, bf16, cublas=True)
+    assert one(4096, 64, 1000, fp32, False, fp32, bf16, cublas=False)  # operands of the accumulator's dtype
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("one", [False, True], ids=["slabs", "one accumulator"])
+def test_weight_gradient_over_chunks_and_slabs(lk, backend_name, reduction, one, monkeypatch):
+    """Several chunks (the first one's GEMMs write the unzeroed, poisoned accumulator, the others add into it),
+    the fp32 accumulator in slabs (each converted, then joined) or in one piece (converted at once; on the CPU
+    forced here, as its sums upcast): every gradient within 1.5x eager bf16's error against float64."""
+    flce = lk.fused_linear_cross_entropy
+    monkeypatch.setattr(flce, "SLAB_BYTES", 7 * 32 * 4)
+    monkeypatch.setattr(flce, "chunk_rows", lambda n, *args: max(1, min(5, n)))
+    monkeypatch.setattr(flce, "_one_accumulator", lambda *args: one)
+    made = _counting_accumulators(flce, monkeypatch)
+    torch.manual_seed(1)
+    x, weight, _, target, _, _ = make_inputs(64, 32, 96, torch.bfloat16)
+    summed = (lambda t: t.sum()) if reduction == "none" else (lambda t: t)
+    grads = torch.autograd.grad(summed(lk.liger_fused_linear_cross_entropy(x, weight, target, reduction=reduction)),
+                                (x, weight))  # fmt: skip
+    assert made == [1 if one else 14]  # the weight's accumulator, made once (in forward, or for "none" in backward)
+    eager_grads = torch.autograd.grad(summed(eager_bf16(x, weight, target, reduction)), (x, weight))
+    x64, w64, _, logits = linear64(x, weight, None)
+    want_grads = torch.autograd.grad(summed(reference_loss(logits, target, reduction)), (x64, w64))
+    slack = 2.0 if backend_name == "triton" and INTERPRETED else 1.0  # the interpreter truncates bf16 stores
+    for what, got, ref, base in zip(("x", "weight"), grads, want_grads, eager_grads):
+        bound = 1.5 * slack * rel_err(base, ref) + 4 * torch.finfo(torch.float32).eps
+        assert got.dtype == torch.bfloat16 and got.shape == ref.shape and got.is_contiguous()
+        assert rel_err(got, ref) <= bound, f"{what}: {rel_err(got, ref):.3e} > {bound:.3e}"
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_all_ignored_batch_matches_pytorch(lk, reduction, backend_name):
     """Nothing to average: "mean" is nan like F.cross_entropy (0/0), "sum" 0; the gradients are zero."""
@@ -652,6 +709,33 @@ def test_cuda_every_option_against_float64(lk, case, reduction):
     bound = 64 * torch.finfo(torch.float32).eps
     assert rel_err(loss, want) <= bound
     assert all(rel_err(g, r) <= bound for g, r in zip(got, ref)), [rel_err(g, r) for g, r in zip(got, ref)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "accum_dtype, writes, pieces",
+    [(None, True, 1), (None, False, 1), (torch.float64, True, 8)],
+    ids=["fp32 sums written by the first GEMM", "fp32 sums zeroed, then added", "fp64 sums in slabs"],
+)
+def test_cuda_weight_gradient_accumulators(lk, accum_dtype, writes, pieces, monkeypatch):
+    """bf16 on the GPU over several chunks: cuBLAS's fp32 sums in one accumulator (its first GEMM writing it
+    where this PyTorch can, else a zeroed one added into), and fp64 sums upcast slab by slab; every gradient
+    within 1.5x eager bf16's error against float64."""
+    flce = lk.fused_linear_cross_entropy
+    monkeypatch.setattr(flce, "SLAB_BYTES", 1024 * 256 * 8)  # 8 slabs of fp64 sums at V 8192
+    monkeypatch.setattr(flce, "mm_widens", lambda device, into=False: writes or not into)
+    made = _counting_accumulators(flce, monkeypatch)
+    with backend("auto"):
+        x, weight, _, target, _, _ = make_inputs(2048, 256, 8192, torch.bfloat16, seed=0, device="cuda")
+        grads = torch.autograd.grad(lk.liger_fused_linear_cross_entropy(x, weight, target, accum_dtype=accum_dtype),
+                                    (x, weight))  # fmt: skip
+    assert made == [pieces]
+    eager_grads = torch.autograd.grad(eager_bf16(x, weight, target), (x, weight))
+    x64, w64, _, logits = linear64(x, weight, None)
+    want_grads = torch.autograd.grad(reference_loss(logits, target), (x64, w64))
+    for what, got, ref, base in zip(("x", "weight"), grads, want_grads, eager_grads):
+        bound = 1.5 * rel_err(base, ref) + 4 * torch.finfo(torch.float32).eps
+        assert got.dtype == torch.bfloat16 and rel_err(got, ref) <= bound, f"{what}: {rel_err(got, ref):.3e}"
 
 
 @pytest.mark.gpu

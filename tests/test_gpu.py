@@ -96,6 +96,18 @@ def test_cuda_tiled_swiglu_layer_against_float64(lk, dtype, auto_backend):
         assert rel_err(t, w) <= 1.5 * rel_err(e, w) + 4 * torch.finfo(torch.float32).eps
 
 
+@pytest.mark.parametrize(
+    "sum_dtype, dtype",
+    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)],
+)
+def test_cuda_transposed_sum_cast_equals_pytorch(lk, sum_dtype, dtype, auto_backend):
+    """The compiled cast of a transposed sum (the down projection's, under column blocks): bit for bit what
+    PyTorch's copy of the transposed view gives (one round-to-nearest), tiles cut by both edges."""
+    total = torch.randn(2900, 1037, device="cuda").to(sum_dtype)
+    got = lk._grad_sums.cast_transposed(total, dtype)
+    assert got.is_contiguous() and torch.equal(got, total.t().to(dtype))
+
+
 def test_cuda_tiled_accumulates_once_and_saves_memory(lk, auto_backend):
     _, module = _llama_pair(torch.bfloat16, 4096, 14336)
     fired = {name: 0 for name, _ in module.named_parameters()}

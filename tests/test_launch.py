@@ -116,7 +116,29 @@ def test_only_launches_with_every_constexpr_by_name_are_cached(lk, n_args, meta,
     cached = lk._launch._CACHES.get(id(_scale_kernel), (None, {}))[1]
     assert (("key",) in cached) == kept
     if kept:
-        assert cached[("key",)][3] == ("BLOCK",)
+        assert cached[("key",)][4] == ("BLOCK",)
+
+
+class _CudaLauncher:
+    """Triton 3.6's CudaLauncher's attributes: the C launch function and the flags its ``__call__`` passes."""
+
+    launch_cooperative_grid, launch_pdl, profile_scratch_size = False, True, 0
+
+    def __init__(self, global_scratch_size):
+        self.global_scratch_size = global_scratch_size
+
+    def launch(self, *args):
+        raise AssertionError("not launched in this test")
+
+
+def test_the_c_launcher_is_called_directly_only_without_scratch_memory(lk):
+    """The wrapper's one per-launch job is allocating scratch memory: without any, its C function is called with
+    the flags the wrapper would pass; with some, or for an unknown launcher class, the wrapper itself."""
+    plain, scratch = _CudaLauncher(0), _CudaLauncher(128)
+    assert lk._launch._launcher(plain) == (plain.launch, (False, True, None, None))
+    assert lk._launch._launcher(scratch) == (scratch, ())
+    other = _Compiled().run
+    assert lk._launch._launcher(other) == (other, ())
 
 
 # ----------------------------------------------------------------------------------------------------------

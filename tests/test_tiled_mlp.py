@@ -16,7 +16,19 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness import DropoutGatedMLP, GatedMLP, call, max_abs_diff, rel_err, tiled_and_untiled_grads
+from harness import (
+    BACKENDS,
+    DropoutGatedMLP,
+    GatedMLP,
+    backend,
+    call,
+    max_abs_diff,
+    quantize,
+    rel_err,
+    skip_unless_runnable,
+    tiled_and_untiled_grads,
+    truncates_bf16,
+)
 
 H = 64
 
@@ -477,6 +489,41 @@ def test_bf16_column_blocks_within_the_contract(lk, monkeypatch, forward, shards
         assert rel_err(t, w) <= 1.5 * rel_err(u, w)
 
 
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize(
+    "shape, sum_dtype, dtype",
+    [
+        ((130, 70), torch.float32, torch.bfloat16),  # tiles cut by both edges
+        ((64, 192), torch.float32, torch.float16),
+        ((1, 200), torch.float32, torch.float32),
+        ((129, 65), torch.bfloat16, torch.bfloat16),  # two token shards: bf16 sums
+    ],
+)
+def test_the_transposed_sum_is_cast_in_one_pass(lk, backend_name, shape, sum_dtype, dtype):
+    """The down projection's gradient from its transposed sum (column blocks): every element of sum^T, rounded
+    once to the parameters' dtype (the interpreter truncates to bf16), and the sum itself left unchanged."""
+    skip_unless_runnable(backend_name)
+    total = torch.randn(shape, dtype=torch.float64).to(sum_dtype)
+    kept = total.clone()
+    with backend(backend_name):  # (outputs poisoned: conftest)
+        grad = lk._grad_sums.cast_transposed(total, dtype)
+    want = quantize(total.t().double(), dtype, truncate=truncates_bf16(backend_name) and sum_dtype != dtype)
+    assert grad.dtype == dtype and grad.shape == shape[::-1] and grad.is_contiguous()
+    assert torch.equal(grad, want) and torch.equal(total, kept)
+
+
+def test_the_blocked_backward_casts_the_transposed_sum_once(lk, monkeypatch):
+    """The column blocks' down-projection sum reaches the parameter through ``cast_transposed``, once."""
+    _force_split(monkeypatch, lk, 6, 3, 2)
+    casts = _Spy(monkeypatch, lk._tiled_gated, "cast_transposed")
+    torch.manual_seed(0)
+    module = GatedMLP(H, 160, bias=True).double()
+    x = torch.randn(1, 5 * H, H, dtype=torch.float64, requires_grad=True)
+    tiled, untiled = tiled_and_untiled_grads(lk, module, x, None, fn=lk.gated_mlp.swiglu_mlp)
+    assert len(casts.calls) == 1 and casts.calls[0][0].shape == (160, H)
+    assert max_abs_diff(tiled, untiled) < 1e-12
+
+
 @pytest.mark.parametrize("blocks", [2, 4])
 @pytest.mark.parametrize(
     "frozen, x_grad, batch, intermediate",
@@ -724,7 +771,7 @@ def test_the_split_holds_no_more_than_whole_columns(
     than the backward does with d_x."""
     monkeypatch.setattr(lk._tiled_gated, "gated_forward", lambda gate, up, activation: torch.empty_like(gate))
     monkeypatch.setattr(lk._tiled_gated, "gated_recompute_backward", lambda d_hidden, gate, up, activation: d_hidden)
-    monkeypatch.setattr(lk._grad_sums, "_mm_widens", lambda device, into=False: True)
+    monkeypatch.setattr(lk._grad_sums, "mm_widens", lambda device, into=False: True)
     with torch.device("meta"):
         module = GatedMLP(hidden, intermediate).to(dtype)
         x = torch.empty(batch, seq, hidden, dtype=dtype, requires_grad=x_grad)

@@ -11,7 +11,9 @@ The tiled/untiled ratio is against the faster untiled MLP in the same run (this 
 
 import argparse
 import json
+import statistics
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -69,19 +71,53 @@ def step(forward, x, d_out, host):
         p.grad = None
 
 
-def measure(forward, x, d_out, host, device):
+def first_steps(forward, x, d_out, host, device) -> tuple:
+    """(peak bytes of a first step above what was allocated before it, None on the CPU; the wall-clock ms of a
+    second step, past any compilation)."""
     cuda = torch.device(device).type == "cuda"
-    peak = None
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step(forward, x, d_out, host)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    # At least ~1 s of steps after 100 ms of warm-up: the GPU settles at its sustained clocks (NOTES.md §6).
-    ms = timing.launch_ms(lambda: step(forward, x, d_out, host), device, rep=1000, warmup=100)
-    return ms, peak
+    before = torch.cuda.memory_allocated() if cuda else 0
+    step(forward, x, d_out, host)
+    timing.sync(device)
+    peak = torch.cuda.max_memory_allocated() - before if cuda else None
+    start = time.perf_counter()
+    step(forward, x, d_out, host)
+    timing.sync(device)
+    return peak, (time.perf_counter() - start) * 1e3
+
+
+# Each implementation's steps are timed in ROUNDS rounds that alternate between the implementations (the order
+# reversed every other round), ~1 s of steps each in all: the GPU's clocks under a sustained GEMM load and the
+# host's speed drift over seconds (NOTES.md §20), and back-to-back measurements would hand the drift to whichever
+# implementation ran at the worse moment. A round is one warm step (the allocator's blocks back from the other
+# implementations' steps), then enough steps for ROUND_MS (from a second step's time) between two CUDA events;
+# a step of over COLD_MS (a million tokens) is its round alone. A row's ms is the median of its rounds.
+ROUNDS = 5
+ROUND_MS = 200
+COLD_MS = 1000
+
+
+def interleaved_ms(steps: dict, estimates: dict, device) -> dict:
+    """{name: [ms per step, per round]} for ``steps`` ({name: a step function}), in alternating rounds;
+    ``estimates``: {name: ms of one step}, which sets each round's step count. An implementation that fails in
+    a round (out of memory, say) is reported and leaves the rounds; the others go on."""
+    rounds = {name: [] for name in steps}
+    names = list(steps)
+    for round_index in range(ROUNDS):
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            if name not in rounds:
+                continue
+            calls = max(1, round(ROUND_MS / max(estimates[name], 1e-3)))
+            warm = 0 if estimates[name] > COLD_MS else 1
+            try:
+                rounds[name].append(timing.back_to_back_ms(steps[name], device, calls=calls, repeats=1, warm=warm))
+            except Exception as error:  # noqa: BLE001 (one implementation failing must not lose the others)
+                print(f"{name} failed in round {round_index}: {type(error).__name__}: {str(error)[:200]}")
+                del rounds[name]
+                timing.free(device)
+    return rounds
 
 
 # MLP shapes where tiling is a close call (the adaptive choice, the shard count, the gradient sums), with the
@@ -137,12 +173,12 @@ def run(
         x = torch.randn(1, seq, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
         d_out = torch.randn(1, seq, hidden, device=device, dtype=torch.bfloat16)
         flops = 2 * seq * hidden * intermediate * 9  # 3 GEMMs forward, 6 backward
-        timings = {}
+        peaks, estimates, steps = {}, {}, {}
         for name, forward in impls.items():
             if seq > untiled_max_seq and "tiled" not in name:
                 continue
-            try:
-                ms, peak = measure(forward, x, d_out, host, device)
+            try:  # the peak of a first step, which also shows whether the implementation runs at all here
+                peaks[name], estimates[name] = first_steps(forward, x, d_out, host, device)
             except torch.OutOfMemoryError:
                 print(f"{seq:>8} {name:<13} out of memory")
                 timing.free(device)
@@ -151,15 +187,24 @@ def run(
                 print(f"{seq:>8} {name:<13} failed: {type(error).__name__}: {str(error)[:200]}")
                 timing.free(device)
                 continue
-            timings[name] = ms
-            rows.append({"seq": seq, "impl": name, "ms": ms, "peak_bytes": peak})
+            steps[name] = lambda forward=forward, x=x, d_out=d_out: step(forward, x, d_out, host)
+            timing.free(device)
+        rounds = interleaved_ms(steps, estimates, device)
+        timings = {name: statistics.median(per_round) for name, per_round in rounds.items()}
+        for name, ms in timings.items():
+            peak = peaks[name]
+            rows.append({"seq": seq, "impl": name, "ms": ms, "ms_rounds": rounds[name], "peak_bytes": peak})
             peak_text = "–" if peak is None else f"{peak / 2**30:.2f}"
             print(f"{seq:>8} {name:<13} {ms:9.2f} {peak_text:>9} {flops / (ms * 1e-3) / 1e12:18.0f}")
-            timing.free(device)
-        untiled = [timings[k] for k in ("fused", "peer fused") if k in timings]
+        untiled = [k for k in ("fused", "peer fused") if k in timings]
         if untiled and "tiled" in timings:
-            print(f"{seq:>8} tiled / faster untiled = {timings['tiled'] / min(untiled):.3f}")
-        del x, d_out
+            faster = min(untiled, key=timings.get)
+            per_round = [t / u for t, u in zip(rounds["tiled"], rounds[faster])]
+            print(
+                f"{seq:>8} tiled / faster untiled = {timings['tiled'] / timings[faster]:.3f}"
+                f" (per round {min(per_round):.3f}-{max(per_round):.3f})"
+            )
+        del x, d_out, steps
         timing.free(device)
     return rows
 

@@ -105,13 +105,13 @@ def graph_ms(fn, replays=30, warm_replays=10) -> float:
     return statistics.median(times)
 
 
-def back_to_back_ms(fn, device, calls=GRAPH_CALLS, repeats=15) -> float:
+def back_to_back_ms(fn, device, calls=GRAPH_CALLS, repeats=15, warm=3) -> float:
     """Median time per call of ``calls`` calls launched back to back (CUDA events around the batch; on the CPU,
-    the smoke test's, the wall clock of a few calls)."""
+    the smoke test's, the wall clock of a few calls), after ``warm`` calls."""
     cuda = torch.device(device).type == "cuda"
     if not cuda:
-        calls, repeats = min(calls, 3), min(repeats, 2)
-    for _ in range(3 if cuda else 1):
+        calls, repeats, warm = min(calls, 3), min(repeats, 2), min(warm, 1)
+    for _ in range(warm):
         fn()
     sync(device)
     times = []

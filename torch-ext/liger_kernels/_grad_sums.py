@@ -10,6 +10,10 @@ total would not."""
 
 import torch
 
+from . import _backend
+from ._backend import constexpr, jit, tl, use_triton
+from ._launch import launch
+
 MAX_NARROW_SUM_SHARDS = 2
 NARROW = (torch.bfloat16,)
 
@@ -30,7 +34,7 @@ def accumulate(total, grad, narrow: bool = False):
     return total.add_(grad)
 
 
-def _mm_widens(device: torch.device, into: bool = False) -> bool:
+def mm_widens(device: torch.device, into: bool = False) -> bool:
     """Whether this PyTorch's mm/addmm take ``out_dtype`` (fp32 results of low-precision GEMMs) on ``device``:
     the GEMM then adds its product into the fp32 sum directly, with no low-precision product and no extra pass.
     ``into``: whether mm also writes such a result into a given tensor (``out=``)."""
@@ -55,7 +59,7 @@ def add_matmul(total, a, b, narrow: bool = False):
     wide = a.dtype if narrow else torch.promote_types(a.dtype, torch.float32)
     if a.dtype == wide:
         return a @ b if total is None else total.addmm_(a, b)
-    if _mm_widens(a.device):
+    if mm_widens(a.device):
         if total is None:
             return torch.mm(a, b, out_dtype=wide)
         return torch.addmm(total, a, b, out_dtype=wide, out=total)
@@ -69,7 +73,7 @@ def matmul_into(total, a, b, narrow: bool = False, first: bool = False):
         return add_matmul(total, a, b, narrow)
     if a.dtype == total.dtype:
         return torch.mm(a, b, out=total)
-    if _mm_widens(a.device, into=True):
+    if mm_widens(a.device, into=True):
         return torch.mm(a, b, out_dtype=total.dtype, out=total)
     return add_matmul(total.zero_(), a, b, narrow)
 
@@ -88,3 +92,38 @@ def cast_each(sums, params):
         grads.append(None if sums[i] is None else sums[i].to(p.dtype))
         sums[i] = None
     return grads
+
+
+@jit
+def _cast_transposed_kernel(total_ptr, grad_ptr, rows, cols, col_tiles, BLOCK: constexpr):
+    # grad[c, r] = total[r, c] in grad's dtype, one BLOCK x BLOCK tile per program. Triton loads the tile along
+    # total's rows and stores it along grad's, swapping the layout through shared memory, so both the read and
+    # the write are coalesced (PyTorch's copy of a transposed view writes element by element).
+    tile = tl.program_id(0)
+    r = (tile // col_tiles) * BLOCK + tl.arange(0, BLOCK)
+    c = (tile % col_tiles) * BLOCK + tl.arange(0, BLOCK)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    values = tl.load(total_ptr + r[:, None].to(tl.int64) * cols + c[None, :], mask=mask)
+    tl.store(grad_ptr + c[None, :].to(tl.int64) * rows + r[:, None], values.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+CAST_BLOCK = 64
+
+
+def cast_transposed(total, dtype):
+    """``total.t()`` as a contiguous tensor of ``dtype``, in one pass: the gradient of a weight whose sum was
+    kept transposed (``_tiled_gated``'s column blocks add into rows of the down projection's sum)."""
+    rows, cols = total.shape
+    grad = _backend.new_tensor((cols, rows), dtype=dtype, device=total.device)
+    if (
+        total.dtype in _backend.TRITON_DTYPES
+        and dtype in _backend.TRITON_DTYPES
+        and use_triton(total)
+        and total.is_contiguous()
+        and total.numel() > 0
+    ):
+        col_tiles = (cols + CAST_BLOCK - 1) // CAST_BLOCK
+        grid = (((rows + CAST_BLOCK - 1) // CAST_BLOCK) * col_tiles,)
+        launch(_cast_transposed_kernel, grid, (total, grad, rows, cols, col_tiles), BLOCK=CAST_BLOCK, num_warps=4)
+        return grad
+    return grad.copy_(total.t())

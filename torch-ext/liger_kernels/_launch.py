@@ -41,7 +41,7 @@ else:
     DIRECT = False
 
 
-# id(kernel) -> (kernel, {key: (launcher, function, packed_metadata, constexpr_names, global_checks)}).
+# id(kernel) -> (kernel, {key: (launcher, its flags, function, packed_metadata, constexpr_names, global_checks)}).
 _CACHES = {}
 MAX_ENTRIES = 256  # per kernel; bounded because a key holds each int's class, not its value
 
@@ -159,14 +159,15 @@ def _launch(kernel, grid, args, meta, fixed_key, keyed_args) -> None:
             compiled = cache.get(key) if cache is not None else None
         except (_Unrecognized, TypeError):  # an argument the key does not cover, or an unhashable constexpr
             key = compiled = None
-        if compiled is not None and (not compiled[4] or _globals_unchanged(compiled[4])):
-            run, function, metadata, names, _ = compiled
+        if compiled is not None and (not compiled[5] or _globals_unchanged(compiled[5])):
+            run, flags, function, metadata, names, _ = compiled
             run(
                 grid[0],
                 grid[1] if len(grid) > 1 else 1,
                 grid[2] if len(grid) > 2 else 1,
                 torch._C._cuda_getCurrentRawStream(device),
                 function,
+                *flags,
                 metadata,
                 None,  # launch metadata and hooks: none registered (checked above)
                 None,
@@ -180,6 +181,19 @@ def _launch(kernel, grid, args, meta, fixed_key, keyed_args) -> None:
             _remember(kernel, key, compiled, len(args), meta)
         return
     kernel[grid](*args, **meta)
+
+
+def _launcher(run) -> tuple:
+    """(callable, flags): the compiled kernel's C launch function and the flags its Python ``CudaLauncher``
+    would pass it (cooperative grid, programmatic dependent launch, no scratch buffers), where the kernel needs
+    no scratch memory, whose allocation is the one thing that wrapper does per launch; else the wrapper itself
+    and no flags. Either is called as ``(grid, stream, function, *flags, metadata, hooks..., *arguments)``."""
+    try:
+        scratch = run.global_scratch_size or run.profile_scratch_size
+        c_launch, flags = run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
+    except AttributeError:  # another launcher class than the verified one
+        return run, ()
+    return (run, ()) if scratch else (c_launch, flags)
 
 
 def _remember(kernel, key, compiled, n_args: int, meta: dict) -> None:
@@ -199,6 +213,6 @@ def _remember(kernel, key, compiled, n_args: int, meta: dict) -> None:
         entry[1].clear()
     checks = tuple((namespace, name, value) for (name, _), (value, namespace) in kernel.used_global_vals.items())
     try:
-        entry[1][key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(names), checks)
+        entry[1][key] = (*_launcher(compiled.run), compiled.function, compiled.packed_metadata, tuple(names), checks)
     except TypeError:  # an unhashable constexpr: this launch keeps kernel[grid]
         pass

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import _replay
 from ._gated import GatedActivation, gated_forward, gated_recompute_backward
-from ._grad_sums import accumulate, add_matmul, cast_each, matmul_into, narrow_sums, row_sum
+from ._grad_sums import accumulate, add_matmul, cast_each, cast_transposed, matmul_into, narrow_sums, row_sum
 from ._tiling import column_bounds
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -215,5 +215,5 @@ def _blocked_backward(plan: GatedPlan, params, bounds, x, d_out, want_x, blocks)
     grads = cast_each(sums, params)
     if sum_down_t is not None:  # cast and transposed in one pass, after the others are cast and freed
         i = slot(w_down)
-        grads[i] = torch.empty(w_down.shape, dtype=params[i].dtype, device=w_down.device).copy_(sum_down_t.t())
+        grads[i] = cast_transposed(sum_down_t, params[i].dtype)
     return d_x, grads

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from . import _backend, _replay
 from . import cross_entropy as _ce
 from ._backend import constexpr, jit, tl, use_triton
+from ._grad_sums import mm_widens
 from ._launch import launch
 from .cross_entropy import CrossEntropyOutput, Options
 
@@ -170,10 +171,26 @@ def _chunks(x, w, b):
         yield start, stop, logits
 
 
-# The weight-gradient accumulator is held in slabs of vocabulary rows, so that converting it to the weight's
-# dtype at the end never holds the whole fp32 accumulator and the whole converted copy at once: each slab is
-# converted and freed in turn (the pieces are then joined), and the conversion peaks below the loop.
+# Converting the fp32 weight-gradient accumulator to the weight's dtype at the end holds both at once. Where
+# the loop's chunk buffer, freed by then, was at least the converted copy's size (Llama-3's head at 4096-row
+# chunks: 1002 MiB each), and each chunk's product is added into the accumulator by the GEMM itself (cuBLAS's
+# fp32 sums of bf16/fp16 operands, or operands of the accumulator's dtype), that costs no more than the loop
+# held: the accumulator is then one tensor, one GEMM per chunk adds into it, and it is converted at once.
+# Elsewhere it is held in slabs of vocabulary rows: a chunk's operand is upcast one slab's columns at a time (not
+# the whole chunk, twice the chunk buffer in fp32), and at the end each slab is converted and freed in turn and
+# the pieces joined, so that neither the upcast nor the conversion holds more than a slab's worth beyond the
+# accumulator's own bytes.
 SLAB_BYTES = 256 << 20
+
+
+def _one_accumulator(n_rows: int, hidden: int, vocab: int, dtype, triton: bool, acc, weight_dtype, cublas: bool):
+    """Whether the weight-gradient accumulator (``acc``, for ``dtype`` operands, summed by cuBLAS in fp32 or
+    not) is one tensor rather than slabs (see above): the GEMMs add into it without an upcast copy of the
+    chunk, and the chunk buffer for ``n_rows`` rows holds the gradient converted to ``weight_dtype``."""
+    if not (cublas or acc == dtype) or n_rows == 0:
+        return False
+    chunk = min(chunk_rows(n_rows, hidden, vocab, dtype, triton), n_rows)
+    return chunk * vocab * dtype.itemsize >= vocab * hidden * weight_dtype.itemsize
 
 
 def _accumulators(x, w, weight_dtype, dtype, accum_dtype, needs, device):
@@ -186,39 +203,52 @@ def _accumulators(x, w, weight_dtype, dtype, accum_dtype, needs, device):
     if needs[1]:
         rows = vocab
         if acc != weight_dtype:
-            rows = max(1, SLAB_BYTES // max(hidden * acc.itemsize, 1))
-            rows -= rows % 8 if rows >= 8 else 0  # slab starts 16-byte aligned in a bf16 chunk, for cuBLAS
-        grad_w = [(start, torch.zeros((min(rows, vocab - start), hidden), dtype=acc, device=device))
+            cublas = _cublas_sums_in_fp32(acc, x.device.type, dtype)
+            if not _one_accumulator(n_rows, hidden, vocab, dtype, use_triton(x), acc, weight_dtype, cublas):
+                rows = max(1, SLAB_BYTES // max(hidden * acc.itemsize, 1))
+                rows -= rows % 8 if rows >= 8 else 0  # slab starts 16-byte aligned in a bf16 chunk, for cuBLAS
+        # unwritten: the first chunk's GEMMs write every element (zeros only where no chunk runs)
+        new = _backend.new_tensor if n_rows else torch.zeros
+        grad_w = [(start, new((min(rows, vocab - start), hidden), dtype=acc, device=device))
                   for start in range(0, vocab, rows)]  # fmt: skip
     grad_b = torch.zeros((vocab,), dtype=acc, device=device) if needs[2] else None
     return grad_x, grad_w, grad_b
 
 
-def _cublas_sums_in_fp32(acc: torch.Tensor, operand_dtype: torch.dtype) -> bool:
+def _cublas_sums_in_fp32(acc_dtype: torch.dtype, device_type: str, operand_dtype: torch.dtype) -> bool:
     # bf16/fp16 operands, fp32 accumulator: cuBLAS adds the product in fp32, no V x H temporary
     return (
-        operand_dtype != acc.dtype
-        and acc.dtype == torch.float32
-        and acc.device.type == "cuda"
+        operand_dtype != acc_dtype
+        and acc_dtype == torch.float32
+        and device_type == "cuda"
         and (torch.version.cuda is not None)
     )
 
 
-def _accumulate(grad_logits, x_rows, w, grad_x_rows, grad_w, grad_b):
+def _accumulate(grad_logits, x_rows, w, grad_x_rows, grad_w, grad_b, first):
+    """The chunk's rows of the input gradient, and its share of the weight and bias gradients added to the
+    accumulators; ``first``: the first chunk, whose GEMMs write the weight's slabs instead of adding."""
     if grad_x_rows is not None:
         torch.mm(grad_logits, w, out=grad_x_rows)
     if grad_w is not None:
         acc_dtype = grad_w[0][1].dtype
-        cublas = _cublas_sums_in_fp32(grad_w[0][1], grad_logits.dtype)
+        cublas = _cublas_sums_in_fp32(acc_dtype, grad_logits.device.type, grad_logits.dtype)
         upcast = grad_logits.dtype != acc_dtype and not cublas
         x_acc = x_rows.to(acc_dtype) if upcast else x_rows  # once per chunk, not per slab
+        writes_fp32 = first and cublas and mm_widens(grad_logits.device, into=True)
         for start, slab in grad_w:
             rows = slab.shape[0]
             part = (grad_logits if rows == grad_logits.shape[1] else grad_logits[:, start : start + rows]).t()
-            if cublas:
-                torch.addmm(slab, part, x_acc, out_dtype=torch.float32, out=slab)
+            if writes_fp32:
+                torch.mm(part, x_acc, out_dtype=torch.float32, out=slab)
+            elif cublas:
+                torch.addmm(slab.zero_() if first else slab, part, x_acc, out_dtype=torch.float32, out=slab)
             else:  # same dtype, or the chunk's slice upcast (rows x slab), never the V x H product
-                slab.addmm_(part.to(acc_dtype) if upcast else part, x_acc)
+                part = part.to(acc_dtype) if upcast else part
+                if first:
+                    torch.mm(part, x_acc, out=slab)
+                else:
+                    slab.addmm_(part, x_acc)
     if grad_b is not None:
         grad_b += grad_logits.sum(0, dtype=grad_b.dtype)
 
@@ -267,7 +297,7 @@ def forward_core(
             _ce.row_stats(logits, rows_t, ce_weight, weight_total, opts, pred is not None, out=out)
         else:
             _ce.row_stats_and_grad(logits, rows_t, ce_weight, weight_total, opts, pred is not None, *scales, out=out)
-            _accumulate(logits, x_rows, w, grad_x_rows, grad_w, grad_b)
+            _accumulate(logits, x_rows, w, grad_x_rows, grad_w, grad_b, start == 0)
         del logits  # the chunk buffer goes before the gradients are converted
     loss, z_loss, accuracy = _ce.reduce_rows(
         ce, z, pred, t, ce_weight, opts, want_accuracy, target.shape, divisors=divisors
@@ -293,7 +323,8 @@ def backward_rows_core(d_loss, input, weight, target, bias, ce_weight, lse, opts
     for start, stop, logits in _chunks(x, w, b):
         d = d_rows[start:stop]
         _ce.row_grad(logits, t[start:stop], ce_weight, weight_total, lse[start:stop], d, d, opts, grad=logits)
-        _accumulate(logits, x[start:stop], w, None if grad_x is None else grad_x[start:stop], grad_w, grad_b)
+        grad_x_rows = None if grad_x is None else grad_x[start:stop]
+        _accumulate(logits, x[start:stop], w, grad_x_rows, grad_w, grad_b, start == 0)
         del logits
     return _returned(grad_x, input), _returned_weight(grad_w, weight), _returned(grad_b, bias)
 
