@@ -122,6 +122,7 @@ BUDGETS = {  # name: ((Python calls), (aten ops)), each (forward, no_grad forwar
     "LigerSiLUMulFunction": ((39, 39, 30), (1, 1, 2)),
     "rms_norm": ((51, 44, 43), (4, 3, 5)),
     "LigerSwiGLUMLP": ((80, 46, 40), (7, 7, 7)),
+    "LigerTiledSwiGLUMLP, one shard": ((161, 127, 40), (7, 7, 7)),
     "liger_rotary_pos_emb": ((63, 59, 32), (7, 7, 4)),
     "cross_entropy": ((92, 92, 25), (17, 17, 2)),
     "liger_fused_linear_cross_entropy": ((181, 139, 28), (26, 20, 0)),
@@ -159,12 +160,15 @@ def _budget_case(lk, name):
         hidden, weight = torch.randn(8, 64, requires_grad=True), torch.randn(128, 64, requires_grad=True)
         return (hidden, weight), lambda h, w: lk.LigerFusedLinearCrossEntropyFunction.apply(h, w, target)[0]
     x = torch.randn(4, 64, requires_grad=True)
-    if name == "LigerSwiGLUMLP":  # the kernelized Llama MLP, as a decoding model calls it once per layer and token
+    if name.startswith(("LigerSwiGLUMLP", "LigerTiledSwiGLUMLP")):
+        # the kernelized Llama MLP, as a decoding model calls it once per layer and token; tiled, as a training
+        # step's short sequence meets it (one automatic shard: the plain call)
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaMLP
 
         host = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=128))
-        return (x,), lambda x: lk.layers.LigerSwiGLUMLP.forward(host, x)
+        layer = lk.layers.LigerSwiGLUMLP if name == "LigerSwiGLUMLP" else lk.layers.LigerTiledSwiGLUMLP
+        return (x,), lambda x: layer.forward(host, x)
     if name == "rms_norm":
         return (x, torch.randn(64, requires_grad=True)), lambda x, w: lk.rms_norm(x, w, 1e-6)
     op = {"silu_mul": lk.silu_mul, "gelu_mul": lk.gelu_mul, "LigerSiLUMulFunction": lk.LigerSiLUMulFunction.apply}

@@ -189,6 +189,41 @@ def test_one_automatic_shard_runs_untiled(lk, monkeypatch):
     assert calls == [H // 2, H // 2]
 
 
+def test_the_one_shard_exit_finds_engine_parameters_as_the_structure_does(lk, monkeypatch):
+    """The one-shard call's early exit looks for ZeRO-3 parameters without building the module's structure:
+    it answers what ``engine_managed(structure(...))`` does (nested, frozen, shared and None parameters, a module
+    inside itself), and where it finds one the full path runs (and agrees a count across ranks)."""
+    tiling = lk._tiling
+
+    def marked(path, frozen=False):
+        mlp = GatedMLP(H, 128, bias=True).double()
+        mlp.register_parameter("unset", None)
+        mlp.gate_proj.add_module("again", mlp.up_proj)  # one module in two places
+        mlp.up_proj.add_module("itself", mlp.up_proj)  # and inside itself
+        if path:
+            p = mlp.get_parameter(path)
+            p.ds_id = 0  # what marks a DeepSpeed ZeRO-3 parameter
+            p.requires_grad_(not frozen)
+        return mlp
+
+    for path, frozen in (
+        (None, False),
+        ("up_proj.weight", False),
+        ("down_proj.bias", True),
+        ("gate_proj.weight", True),
+    ):
+        mlp = marked(path, frozen)
+        assert (
+            tiling.has_engine_parameters(mlp) == tiling.engine_managed(tiling.structure(mlp), []) == (path is not None)
+        )
+    assert tiling.has_engine_parameters(types.SimpleNamespace())  # not a module: the full checks decide
+    agreed = []
+    monkeypatch.setattr(tiling, "harmonize_num_shards", lambda count, x: agreed.append(count) or count)
+    x = torch.randn(1, H // 2, H, dtype=torch.float64, requires_grad=True)
+    lk.apply_tiled_mlp(call, marked("down_proj.bias", frozen=True), x)
+    assert agreed == [1]
+
+
 @pytest.mark.parametrize("num_shards", [0, -2, 2.0, True, "4"])
 def test_bad_num_shards(lk, num_shards):
     with pytest.raises(ValueError, match="`num_shards` must be None"):

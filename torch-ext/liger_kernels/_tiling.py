@@ -277,6 +277,25 @@ def engine_managed(found: Structure, params) -> bool:
     return any(_zero3.is_zero3(p) for p in (*params, *found.params))
 
 
+def has_engine_parameters(mlp_module) -> bool:
+    """``engine_managed(structure(mlp_module), its parameters)`` without building the structure: whether a
+    parameter of the module or of a module inside it is DeepSpeed ZeRO-3's; True for anything but a module (the
+    full checks then run, and raise what they raise)."""
+    if not isinstance(mlp_module, nn.Module):
+        return True
+    stack, seen = [mlp_module], set()
+    while stack:  # plain loops: this runs on every short call of a tiled layer
+        module = stack.pop()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        for p in module._parameters.values():
+            if hasattr(p, "ds_id"):  # _zero3.is_zero3, inlined (None has no ds_id)
+                return True
+        stack.extend(module._modules.values())
+    return False
+
+
 def _has_backward_hooks(found: Structure) -> bool:
     hooks = nn.modules.module
     if hooks._global_backward_hooks or hooks._global_backward_pre_hooks:

@@ -74,12 +74,16 @@ def apply_tiled_mlp(
 # belong to other masks. The call is a graph break; what runs inside is the eager code, exact.
 @torch.compiler.disable
 def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
-    found = _tiling.structure(mlp_module)
-    params = trainable_params(mlp_module, compute_params, found)
     intermediate = intermediate_size(mlp_module)
     # One automatic shard, where no engine gathers parameters (whose layouts may tile or agree on a count
-    # across ranks): every branch below would make the plain call, so make it without the checks.
+    # across ranks): every branch below would make the plain call, so make it without the checks. For a
+    # module's own parameters this is asked before the module's structure is walked (the short sequences of a
+    # training step meet it on every layer).
     one_shard = tile is None and requested is None and _tiling.auto_num_shards(x, intermediate) <= 1
+    if one_shard and compute_params is None and not _tiling.has_engine_parameters(mlp_module):
+        return fn(mlp_module, x)
+    found = _tiling.structure(mlp_module)
+    params = trainable_params(mlp_module, compute_params, found)
     if one_shard and not _tiling.engine_managed(found, params):
         return fn(mlp_module, x)
     if _tiling.untiled_reason(mlp_module, x, params, found) is not None:
