@@ -111,8 +111,9 @@ def test_bfloat16_no_worse_than_eager(lk, backend_name, reduction, slab_rows, mo
     error of eager bf16 ``F.cross_entropy((x @ W.T).float(), target)``, both measured against float64. With
     ``slab_rows``, the fp32 weight-gradient accumulator is held in slabs of that many vocabulary rows (the last
     one short), as large vocabularies hold it; "none" recomputes the chunks in backward."""
-    if slab_rows is not None:
+    if slab_rows is not None:  # (slabs forced: this test's chunks hold the converted gradient)
         monkeypatch.setattr(lk.fused_linear_cross_entropy, "SLAB_BYTES", slab_rows * 32 * 4)
+        monkeypatch.setattr(lk.fused_linear_cross_entropy, "_one_accumulator", lambda *args: False)
     torch.manual_seed(0)
     x, weight, _, target, _, _ = make_inputs(64, 32, 96, torch.bfloat16)
     summed = (lambda t: t.sum()) if reduction == "none" else (lambda t: t)
@@ -144,28 +145,84 @@ def _counting_accumulators(flce, monkeypatch) -> list:
     return made
 
 
-def test_one_accumulator_only_where_neither_upcast_nor_conversion_costs_memory(lk):
-    """One weight-gradient accumulator (not slabs) where the GEMMs add into it without an upcast copy of the
-    chunk and the chunk buffer holds the converted gradient: Llama-3's head on CUDA in bf16; not where the sums
-    upcast the operands (ROCm, XPU, CPU, or accum_dtype=float64: a whole chunk upcast would be twice the chunk
-    buffer), nor where a chunk is smaller than the gradient (few tokens, or Gemma's 256k vocabulary at H 3072)."""
-    one = lk.fused_linear_cross_entropy._one_accumulator
+def test_one_accumulator_only_where_the_conversion_costs_no_memory(lk):
+    """One weight-gradient accumulator (not slabs) where the chunk buffer holds the converted gradient, so that
+    converting it at once holds no more than the loop did: Llama-3's head in bf16; not for few tokens, nor for
+    Gemma's 256k vocabulary at H 3072 (chunks smaller than the gradient). cuBLAS sums fp32 only for bf16/fp16
+    operands (PyTorch's out_dtype takes no others)."""
+    flce = lk.fused_linear_cross_entropy
+    one = flce._one_accumulator
     bf16, fp32, fp64 = torch.bfloat16, torch.float32, torch.float64
-    assert one(32768, 4096, 128256, bf16, True, fp32, bf16, cublas=True)
-    assert not one(32768, 4096, 128256, bf16, True, fp32, bf16, cublas=False)
-    assert not one(32768, 4096, 128256, bf16, True, fp64, bf16, cublas=False)
-    assert not one(16, 4096, 128256, bf16, True, fp32, bf16, cublas=True)
-    assert not one(32768, 3072, 256000, bf16, True, fp32, bf16, cublas=True)
-    assert not one(0, 4096, 128256, bf16, True, fp32, bf16, cublas=True)
-    assert one(4096, 64, 1000, fp32, False, fp32, bf16, cublas=False)  # operands of the accumulator's dtype
+    assert one(32768, 4096, 128256, bf16, True, bf16)
+    assert not one(16, 4096, 128256, bf16, True, bf16)
+    assert not one(32768, 3072, 256000, bf16, True, bf16)
+    assert not one(0, 4096, 128256, bf16, True, bf16)
+    assert one(4096, 64, 1000, fp32, False, bf16)
+    cublas = flce._cublas_sums_in_fp32
+    assert cublas(fp32, "cuda", bf16) == cublas(fp32, "cuda", torch.float16) == (torch.version.cuda is not None)
+    assert not cublas(fp32, "cuda", fp64) and not cublas(fp64, "cuda", bf16) and not cublas(fp32, "cpu", bf16)
+
+
+class _LargestUpcast(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most elements one dtype-changing copy (``Tensor.to``) made during the mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and out.dtype != args[0].dtype:
+            self.largest = max(self.largest, out.numel())
+        return out
+
+
+@pytest.mark.parametrize(
+    "autocast, accum_dtype",
+    [(False, None), (False, torch.float64), (True, None)],
+    ids=["bf16", "fp64 sums", "autocast"],
+)
+def test_upcast_sums_copy_a_slab_at_a_time(lk, backend_name, autocast, accum_dtype, monkeypatch):
+    """Where the weight-gradient sums upcast the chunk's gradient (here, on the CPU: bf16 operands into fp32 or
+    fp64 sums; fp32 weights under bf16 autocast, whose fp32 sums are one accumulator of all V rows), it is
+    upcast at most a slab of rows at a time, never the whole chunk; the gradients stay within 1.5x eager's
+    error against float64."""
+    flce = lk.fused_linear_cross_entropy
+    monkeypatch.setattr(flce, "SLAB_BYTES", 16 * 32 * 8)  # 16 rows of fp64 sums, 32 of fp32
+    monkeypatch.setattr(flce, "chunk_rows", lambda n, *args: max(1, min(40, n)))
+    torch.manual_seed(2)
+    x, weight, _, target, _, _ = make_inputs(64, 32, 96, torch.bfloat16)
+    if autocast:
+        weight = weight.detach().float().requires_grad_()
+    mode, accumulate = _LargestUpcast(), flce._accumulate
+
+    def watched(*args):  # the sums' copies only (the PyTorch path's cross-entropy computes in fp32 anyway)
+        with mode:
+            return accumulate(*args)
+
+    monkeypatch.setattr(flce, "_accumulate", watched)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = lk.liger_fused_linear_cross_entropy(x, weight, target, accum_dtype=accum_dtype)
+    grads = torch.autograd.grad(loss, (x, weight))
+    rows = 16 if accum_dtype == torch.float64 else 32
+    assert 0 < mode.largest <= max(rows * 40, 40 * 32)  # a slab's rows of the 40-row chunk (or x's rows)
+    eager_grads = torch.autograd.grad(eager_bf16(x, weight.bfloat16(), target), (x, weight))
+    x64, w64, _, logits = linear64(x, weight, None)
+    want_grads = torch.autograd.grad(reference_loss(logits, target), (x64, w64))
+    slack = 2.0 if backend_name == "triton" and INTERPRETED else 1.0  # the interpreter truncates bf16 stores
+    for what, got, ref, base in zip(("x", "weight"), grads, want_grads, eager_grads):
+        bound = 1.5 * slack * rel_err(base, ref) + 4 * torch.finfo(torch.float32).eps
+        assert got.dtype == weight.dtype if what == "weight" else torch.bfloat16
+        assert rel_err(got, ref) <= bound, f"{what}: {rel_err(got, ref):.3e} > {bound:.3e}"
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("one", [False, True], ids=["slabs", "one accumulator"])
 def test_weight_gradient_over_chunks_and_slabs(lk, backend_name, reduction, one, monkeypatch):
     """Several chunks (the first one's GEMMs write the unzeroed, poisoned accumulator, the others add into it),
-    the fp32 accumulator in slabs (each converted, then joined) or in one piece (converted at once; on the CPU
-    forced here, as its sums upcast): every gradient within 1.5x eager bf16's error against float64."""
+    the fp32 accumulator in slabs (each converted, then joined) or in one piece (converted at once; forced
+    here, as 5-row chunks are smaller than the gradient): every gradient within 1.5x eager bf16's error against
+    float64."""
     flce = lk.fused_linear_cross_entropy
     monkeypatch.setattr(flce, "SLAB_BYTES", 7 * 32 * 4)
     monkeypatch.setattr(flce, "chunk_rows", lambda n, *args: max(1, min(5, n)))
@@ -714,15 +771,16 @@ def test_cuda_every_option_against_float64(lk, case, reduction):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "accum_dtype, writes, pieces",
-    [(None, True, 1), (None, False, 1), (torch.float64, True, 8)],
-    ids=["fp32 sums written by the first GEMM", "fp32 sums zeroed, then added", "fp64 sums in slabs"],
+    [(None, True, 1), (None, False, 1), (torch.float64, True, 1)],
+    ids=["fp32 sums written by the first GEMM", "fp32 sums zeroed, then added", "fp64 sums upcast by slabs"],
 )
 def test_cuda_weight_gradient_accumulators(lk, accum_dtype, writes, pieces, monkeypatch):
-    """bf16 on the GPU over several chunks: cuBLAS's fp32 sums in one accumulator (its first GEMM writing it
-    where this PyTorch can, else a zeroed one added into), and fp64 sums upcast slab by slab; every gradient
-    within 1.5x eager bf16's error against float64."""
+    """bf16 on the GPU over several chunks, one accumulator (the chunk buffer holds the converted gradient):
+    cuBLAS's fp32 sums (its first GEMM writing them where this PyTorch can, else zeroed ones added into), and
+    fp64 sums, the chunk's gradient upcast 1024 rows at a time; every gradient within 1.5x eager bf16's error
+    against float64."""
     flce = lk.fused_linear_cross_entropy
-    monkeypatch.setattr(flce, "SLAB_BYTES", 1024 * 256 * 8)  # 8 slabs of fp64 sums at V 8192
+    monkeypatch.setattr(flce, "SLAB_BYTES", 1024 * 256 * 8)  # fp64 sums upcast in 8 steps at V 8192
     monkeypatch.setattr(flce, "mm_widens", lambda device, into=False: writes or not into)
     made = _counting_accumulators(flce, monkeypatch)
     with backend("auto"):

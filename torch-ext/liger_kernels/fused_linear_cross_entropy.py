@@ -173,21 +173,19 @@ def _chunks(x, w, b):
 
 # Converting the fp32 weight-gradient accumulator to the weight's dtype at the end holds both at once. Where
 # the loop's chunk buffer, freed by then, was at least the converted copy's size (Llama-3's head at 4096-row
-# chunks: 1002 MiB each), and each chunk's product is added into the accumulator by the GEMM itself (cuBLAS's
-# fp32 sums of bf16/fp16 operands, or operands of the accumulator's dtype), that costs no more than the loop
-# held: the accumulator is then one tensor, one GEMM per chunk adds into it, and it is converted at once.
-# Elsewhere it is held in slabs of vocabulary rows: a chunk's operand is upcast one slab's columns at a time (not
-# the whole chunk, twice the chunk buffer in fp32), and at the end each slab is converted and freed in turn and
-# the pieces joined, so that neither the upcast nor the conversion holds more than a slab's worth beyond the
-# accumulator's own bytes.
+# chunks: 1002 MiB each), that costs no more than the loop held: the accumulator is then one tensor, converted
+# at once, and on CUDA one GEMM per chunk adds into it. Elsewhere it is held in slabs of vocabulary rows, each
+# converted and freed in turn and the pieces joined, so that the conversion never holds more than a slab's
+# worth beyond the accumulator's own bytes. Where the sums upcast the chunk's gradient (no fp32 sums of
+# bf16/fp16 GEMMs: the CPU, ROCm, XPU; or accum_dtype=float64), it is upcast at most SLAB_BYTES of the
+# accumulator's rows at a time, never the whole chunk (twice the chunk buffer in fp32).
 SLAB_BYTES = 256 << 20
 
 
-def _one_accumulator(n_rows: int, hidden: int, vocab: int, dtype, triton: bool, acc, weight_dtype, cublas: bool):
-    """Whether the weight-gradient accumulator (``acc``, for ``dtype`` operands, summed by cuBLAS in fp32 or
-    not) is one tensor rather than slabs (see above): the GEMMs add into it without an upcast copy of the
-    chunk, and the chunk buffer for ``n_rows`` rows holds the gradient converted to ``weight_dtype``."""
-    if not (cublas or acc == dtype) or n_rows == 0:
+def _one_accumulator(n_rows: int, hidden: int, vocab: int, dtype, triton: bool, weight_dtype) -> bool:
+    """Whether the weight-gradient accumulator is one tensor rather than slabs (see above): the chunk buffer
+    of ``dtype`` logits for ``n_rows`` rows holds the gradient converted to ``weight_dtype``."""
+    if n_rows == 0:
         return False
     chunk = min(chunk_rows(n_rows, hidden, vocab, dtype, triton), n_rows)
     return chunk * vocab * dtype.itemsize >= vocab * hidden * weight_dtype.itemsize
@@ -202,11 +200,8 @@ def _accumulators(x, w, weight_dtype, dtype, accum_dtype, needs, device):
     grad_w = None
     if needs[1]:
         rows = vocab
-        if acc != weight_dtype:
-            cublas = _cublas_sums_in_fp32(acc, x.device.type, dtype)
-            if not _one_accumulator(n_rows, hidden, vocab, dtype, use_triton(x), acc, weight_dtype, cublas):
-                rows = max(1, SLAB_BYTES // max(hidden * acc.itemsize, 1))
-                rows -= rows % 8 if rows >= 8 else 0  # slab starts 16-byte aligned in a bf16 chunk, for cuBLAS
+        if acc != weight_dtype and not _one_accumulator(n_rows, hidden, vocab, dtype, use_triton(x), weight_dtype):
+            rows = _slab_rows(hidden, acc)
         # unwritten: the first chunk's GEMMs write every element (zeros only where no chunk runs)
         new = _backend.new_tensor if n_rows else torch.zeros
         grad_w = [(start, new((min(rows, vocab - start), hidden), dtype=acc, device=device))
@@ -215,10 +210,18 @@ def _accumulators(x, w, weight_dtype, dtype, accum_dtype, needs, device):
     return grad_x, grad_w, grad_b
 
 
+def _slab_rows(hidden: int, acc) -> int:
+    """Vocabulary rows of SLAB_BYTES of an ``acc`` accumulator; a multiple of 8 from 8 rows on, so that a slab
+    starts 16-byte aligned in a bf16 chunk, for cuBLAS."""
+    rows = max(1, SLAB_BYTES // max(hidden * acc.itemsize, 1))
+    return rows - (rows % 8 if rows >= 8 else 0)
+
+
 def _cublas_sums_in_fp32(acc_dtype: torch.dtype, device_type: str, operand_dtype: torch.dtype) -> bool:
-    # bf16/fp16 operands, fp32 accumulator: cuBLAS adds the product in fp32, no V x H temporary
+    # bf16/fp16 operands, fp32 accumulator: cuBLAS adds the product in fp32, no V x H temporary (PyTorch's
+    # out_dtype takes no other operands)
     return (
-        operand_dtype != acc_dtype
+        operand_dtype in (torch.bfloat16, torch.float16)
         and acc_dtype == torch.float32
         and device_type == "cuda"
         and (torch.version.cuda is not None)
@@ -243,12 +246,19 @@ def _accumulate(grad_logits, x_rows, w, grad_x_rows, grad_w, grad_b, first):
                 torch.mm(part, x_acc, out_dtype=torch.float32, out=slab)
             elif cublas:
                 torch.addmm(slab.zero_() if first else slab, part, x_acc, out_dtype=torch.float32, out=slab)
-            else:  # same dtype, or the chunk's slice upcast (rows x slab), never the V x H product
-                part = part.to(acc_dtype) if upcast else part
+            elif not upcast:
                 if first:
                     torch.mm(part, x_acc, out=slab)
                 else:
                     slab.addmm_(part, x_acc)
+            else:  # the chunk's gradient upcast a slab's worth of rows at a time, never the whole chunk
+                step = _slab_rows(x_acc.shape[1], acc_dtype)
+                for r0 in range(0, rows, step):
+                    rows_of, piece = slab[r0 : r0 + step], part[r0 : r0 + step].to(acc_dtype)
+                    if first:
+                        torch.mm(piece, x_acc, out=rows_of)
+                    else:
+                        rows_of.addmm_(piece, x_acc)
     if grad_b is not None:
         grad_b += grad_logits.sum(0, dtype=grad_b.dtype)
 
