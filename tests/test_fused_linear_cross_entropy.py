@@ -781,7 +781,7 @@ def test_cuda_weight_gradient_accumulators(lk, accum_dtype, writes, pieces, monk
     against float64."""
     flce = lk.fused_linear_cross_entropy
     monkeypatch.setattr(flce, "SLAB_BYTES", 1024 * 256 * 8)  # fp64 sums upcast in 8 steps at V 8192
-    monkeypatch.setattr(flce, "mm_widens", lambda device, into=False: writes or not into)
+    monkeypatch.setattr(lk._grad_sums, "mm_widens", lambda device, into=False: writes or not into)
     made = _counting_accumulators(flce, monkeypatch)
     with backend("auto"):
         x, weight, _, target, _, _ = make_inputs(2048, 256, 8192, torch.bfloat16, seed=0, device="cuda")

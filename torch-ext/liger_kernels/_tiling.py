@@ -290,7 +290,7 @@ def has_engine_parameters(mlp_module) -> bool:
             continue
         seen.add(id(module))
         for p in module._parameters.values():
-            if hasattr(p, "ds_id"):  # _zero3.is_zero3, inlined (None has no ds_id)
+            if p is not None and _zero3.is_zero3(p):
                 return True
         stack.extend(module._modules.values())
     return False

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from . import _backend, _replay
 from . import cross_entropy as _ce
 from ._backend import constexpr, jit, tl, use_triton
-from ._grad_sums import mm_widens
+from ._grad_sums import matmul_into
 from ._launch import launch
 from .cross_entropy import CrossEntropyOutput, Options
 
@@ -238,27 +238,21 @@ def _accumulate(grad_logits, x_rows, w, grad_x_rows, grad_w, grad_b, first):
         cublas = _cublas_sums_in_fp32(acc_dtype, grad_logits.device.type, grad_logits.dtype)
         upcast = grad_logits.dtype != acc_dtype and not cublas
         x_acc = x_rows.to(acc_dtype) if upcast else x_rows  # once per chunk, not per slab
-        writes_fp32 = first and cublas and mm_widens(grad_logits.device, into=True)
         for start, slab in grad_w:
             rows = slab.shape[0]
             part = (grad_logits if rows == grad_logits.shape[1] else grad_logits[:, start : start + rows]).t()
-            if writes_fp32:
-                torch.mm(part, x_acc, out_dtype=torch.float32, out=slab)
-            elif cublas:
-                torch.addmm(slab.zero_() if first else slab, part, x_acc, out_dtype=torch.float32, out=slab)
-            elif not upcast:
+            if cublas:  # the GEMM sums in fp32 into the slab (and writes it, for the first chunk)
+                matmul_into(slab, part, x_acc, first=first)
+                continue
+            # same dtype, or the chunk's gradient upcast a slab's worth of rows at a time, never the whole chunk
+            step = _slab_rows(x_acc.shape[1], acc_dtype) if upcast else rows
+            for r0 in range(0, rows, step):
+                rows_of, piece = (slab, part) if step >= rows else (slab[r0 : r0 + step], part[r0 : r0 + step])
+                piece = piece.to(acc_dtype) if upcast else piece
                 if first:
-                    torch.mm(part, x_acc, out=slab)
+                    torch.mm(piece, x_acc, out=rows_of)
                 else:
-                    slab.addmm_(part, x_acc)
-            else:  # the chunk's gradient upcast a slab's worth of rows at a time, never the whole chunk
-                step = _slab_rows(x_acc.shape[1], acc_dtype)
-                for r0 in range(0, rows, step):
-                    rows_of, piece = slab[r0 : r0 + step], part[r0 : r0 + step].to(acc_dtype)
-                    if first:
-                        torch.mm(piece, x_acc, out=rows_of)
-                    else:
-                        rows_of.addmm_(piece, x_acc)
+                    rows_of.addmm_(piece, x_acc)
     if grad_b is not None:
         grad_b += grad_logits.sum(0, dtype=grad_b.dtype)
 
