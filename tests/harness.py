@@ -70,7 +70,7 @@ def poisoned_outputs(lk):
     def fill(dtype):
         return float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min  # integer outputs: a sentinel
 
-    def poisoned(shape, dtype, device):
+    def poisoned(shape, *, dtype, device):  # keyword-only, as torch.empty's: a positional call fails here too
         return torch.full(shape, fill(dtype), dtype=dtype, device=device)
 
     def poisoned_strided(shape, stride, dtype, device):

@@ -5,7 +5,15 @@ through the loss and through the returned z-loss, for any incoming gradients."""
 import pytest
 import torch
 
-from harness import FLCE_CASES, make_inputs, reference_loss, reference_z_loss, rel_err
+from harness import (
+    FLCE_CASES,
+    backend,
+    make_inputs,
+    reference_loss,
+    reference_z_loss,
+    rel_err,
+    skip_unless_runnable,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 FP32_BOUND = 16 * torch.finfo(torch.float32).eps
@@ -101,3 +109,53 @@ def test_z_loss_feeds_the_loss_in_the_graph(lk, reduction, backend_name):
     without_z = {**options, "lse_square_scale": 0.0}
     (want,) = torch.autograd.grad(reference_loss(logits64, target, reduction, ce_weight, **without_z), logits64)
     assert rel_err(logits.grad, want) <= FP32_BOUND
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("rows", [1, 1024, 2500])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class_weights"])
+def test_device_reductions_match_pytorch(lk, rows, weighted, device):
+    """The Triton path's divisors and sums of the loss rows (one program looping over the rows in blocks of
+    REDUCE_BLOCK: one block, exactly one, several) against the PyTorch path's ops, in float64: the count
+    exact, the summed class weights, their reciprocals and the reduced losses to fp32 rounding; NaN rows (an
+    out-of-range target) and an all-ignored batch give NaN as PyTorch's."""
+    skip_unless_runnable("triton", device)  # (on the CPU: Triton's interpreter)
+    ce_module = lk.cross_entropy
+    assert ce_module.REDUCE_BLOCK == 1024
+    generator = torch.Generator().manual_seed(rows + weighted)
+    target = torch.randint(0, 40, (rows,), generator=generator)
+    target[torch.rand(rows, generator=generator) < 0.3] = -7
+    target[0] = 3  # at least one row kept (the all-ignored batch comes last)
+    ce_weight = torch.rand(40, generator=generator, dtype=torch.float64) + 0.5 if weighted else None
+    ce = torch.rand(rows, generator=generator) * 5
+    z = torch.rand(rows, generator=generator) * 1e-3
+    target, ce, z, ce_weight = (None if t is None else t.to(device) for t in (target, ce, z, ce_weight))
+    opts = ce_module.Options(ignore_index=-7)
+    kept = target != -7
+    weights = ce_weight[target.clamp(min=0)][kept].sum() if weighted else kept.sum().double()
+    with backend("triton"):
+        assert ce_module.reduces_on_device(ce) and not ce_module.reduces_on_device(ce.clone().requires_grad_())
+        divisors = ce_module.denominators(target, ce_weight, opts, ce)
+        assert len(divisors) == 4 and all(d.shape == () and d.dtype == torch.float32 for d in divisors)
+        assert divisors[1].item() == kept.sum().item()
+        for got, want in zip(divisors, (weights, kept.sum(), 1 / weights, 1 / kept.sum())):
+            assert rel_err(got, want) <= FP32_BOUND, (got, want)
+        for reduction in ("mean", "sum"):
+            opts = opts._replace(reduction=reduction)
+            ce_part, z_loss, _, loss = ce_module.reduced_parts(ce, z, None, target, ce_weight, opts, False, divisors)
+            scale_ce, scale_z = (weights, kept.sum()) if reduction == "mean" else (1, 1)
+            want_ce, want_z = ce.double().sum() / scale_ce, z.double().sum() / scale_z
+            for got, want in ((ce_part, want_ce), (z_loss, want_z), (loss, want_ce + want_z)):
+                assert got.shape == () and rel_err(got, want) <= FP32_BOUND, (reduction, got, want)
+        assert (
+            rel_err(ce_module.row_scales(target, ce_weight, opts._replace(reduction="mean"), ce)[0], 1 / weights)
+            <= FP32_BOUND
+        )
+        poisoned = ce.clone()
+        poisoned[-1] = float("nan")  # a kept target out of range makes its row NaN
+        assert ce_module.reduced_parts(poisoned, z, None, target, ce_weight, opts, False, divisors)[3].isnan()
+        ignored = torch.full_like(target, -7)
+        divisors = ce_module.denominators(ignored, ce_weight, opts._replace(reduction="mean"), ce)
+        assert divisors[1].item() == 0 and divisors[0].item() == 0
+        mean = opts._replace(reduction="mean")
+        assert ce_module.reduced_parts(ce * 0, z * 0, None, ignored, ce_weight, mean, False, divisors)[3].isnan()

@@ -112,6 +112,70 @@ def test_public_function_binds_arguments_without_parsing_its_signature(lk, name,
     assert torch.equal(got, want)
 
 
+BINDINGS = {  # name: (calls that bind, calls the binding rejects), each as (positional tail, keywords)
+    "LigerSiLUMulFunction": (
+        [
+            ((), {}),
+            ((2.0,), {}),
+            ((2.0, 0.5), {}),
+            ((2.0, 0.5, False), {}),
+            ((), {"down_multiplier": 0.5}),
+            ((-1.5,), {"in_place_backward": False, "down_multiplier": 3.0}),
+        ],
+        [((2.0, 0.5, False, 1), {}), ((2.0,), {"gate_multiplier": 1.0}), ((), {"scale": 1.0}), ((), {"b": None})],
+    ),
+    "LigerGELUMulFunction": (
+        [
+            ((), {}),
+            (("none",), {}),
+            (("tanh", False), {}),
+            ((), {"approximate": "none"}),
+            ((), {"in_place_backward": False}),
+        ],
+        [(("none", False, 3), {}), (("none",), {"approximate": "tanh"}), ((), {"approx": "none"})],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BINDINGS))
+def test_public_function_apply_binds_as_pytorch_does(lk, name, monkeypatch):
+    """The Functions' own apply (bind_cheaply) skips inspect's binding: every call it takes must reach forward,
+    setup_context and backward with the arguments PyTorch's apply binds, and every call the binding rejects must
+    fail as PyTorch's does."""
+    function = getattr(lk, name)
+    torch_apply = torch.autograd.Function.apply.__func__
+    bound = []
+    bind = inspect.Signature.bind
+    monkeypatch.setattr(inspect.Signature, "bind", lambda *a, **k: bound.append(a) or bind(*a, **k))
+    binds, rejected = BINDINGS[name]
+    for tail, keywords in binds:
+        a, b = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+        d_out = torch.randn(3, 8)
+        with backend("torch"):
+            got = function.apply(a, b, *tail, **keywords)
+            assert bound == [], f"{tail} {keywords}: the call went through inspect's binding"
+            want = torch_apply(function, a, b, *tail, **keywords)
+            assert bound, "the probe does not see PyTorch's binding"
+            bound.clear()
+            assert type(got.grad_fn) is type(want.grad_fn)
+            assert torch.equal(got, want), (tail, keywords)
+            for g, w in zip(torch.autograd.grad(got, (a, b), d_out), torch.autograd.grad(want, (a, b), d_out)):
+                assert torch.equal(g, w), (tail, keywords)
+    a, b = torch.randn(3, 8), torch.randn(3, 8)
+    for tail, keywords in rejected:
+        with pytest.raises(TypeError) as want:
+            torch_apply(function, a, b, *tail, **keywords)
+        with pytest.raises(TypeError) as got:
+            function.apply(a, b, *tail, **keywords)
+        assert str(got.value) == str(want.value)
+    with pytest.raises(TypeError) as got:
+        function.apply(a)
+    assert "missing a required argument: 'b'" in str(got.value)
+    subclass = type("Subclass", (function,), {})  # PyTorch's apply, for the subclass's own backward class
+    out = subclass.apply(a.requires_grad_(), b)
+    assert type(out.grad_fn) is subclass._backward_cls and bound
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_public_function_leaves_caller_tensors_intact(lk, op, backend_name):
     """Gradients go to fresh tensors: a gate the caller still holds (and reads after backward) keeps its values."""

@@ -5,7 +5,8 @@ liger-kernel 0.8.5's equivalent (when importable); and the fused activations lau
     python benchmarks/suite/bench_host.py --device cpu --quick     # smoke test of the code, no GPU
 
 Host cost (``rows``): CPU wall time per call on tiny bf16 CUDA inputs (16 x 4096 unless the entry says
-otherwise), 300 calls after 50 warm-up, median of 5 repeats (timing.host_us):
+otherwise), 300 calls after 50 warm-up, median of 5 rounds that alternate between the variants
+(timing.host_us):
 - ``fwd_us``: the forward. Training entries run it with grad enabled and inputs requiring grad (a training
   step's forward, autograd node included); inference entries (the decode MLPs) under ``torch.no_grad()``, as
   transformers' ``generate`` runs.
@@ -25,6 +26,7 @@ each node costs the host its backward alone, not a graph task of its own.
 """
 
 import argparse
+import contextlib
 import json
 import sys
 import types
@@ -535,28 +537,31 @@ def _forward_backward(fn, leaves, d_outs):
 
 
 def measure_entry(entry: Entry, cfg, device) -> list:
-    rows = []
-    for role in ROLES:
-        variant = entry.variants.get(role)
-        if variant is None:
-            continue
-        label, fn = variant
-        row = {"entry": entry.name, "inputs": entry.inputs, "mode": entry.mode, "variant": role, "impl": label}
-        counts = {k: cfg[k] for k in ("calls", "warmup", "repeats")}
-        try:
-            if entry.mode == "inference":
-                with torch.no_grad():
-                    row["fwd_us"], row["fwd_synced_us"] = timing.host_us(fn, device, **counts)
+    """One row per variant of ``entry``: the forward's host time and the step's, each timed in rounds that
+    alternate between the variants (timing.host_us)."""
+    roles = [role for role in ROLES if entry.variants.get(role) is not None]
+    rows = {}
+    for role in roles:
+        label, _ = entry.variants[role]
+        rows[role] = {"entry": entry.name, "inputs": entry.inputs, "mode": entry.mode, "variant": role, "impl": label}
+    counts = {k: cfg[k] for k in ("calls", "warmup", "repeats")}
+    phases = {"fwd": {role: entry.variants[role][1] for role in roles}}
+    if entry.mode != "inference":
+        phases["fwd_bwd"] = {
+            role: _forward_backward(entry.variants[role][1], entry.leaves, entry.d_outs) for role in roles
+        }
+    for phase, fns in phases.items():
+        fns = {role: fn for role, fn in fns.items() if "error" not in rows[role]}
+        with torch.no_grad() if entry.mode == "inference" else contextlib.nullcontext():
+            measured = timing.host_us(fns, device, **counts)
+        for role, result in measured.items():
+            if isinstance(result, Exception):
+                rows[role]["error"] = f"{type(result).__name__}: {str(result)[:300]}"
             else:
-                row["fwd_us"], row["fwd_synced_us"] = timing.host_us(fn, device, **counts)
-                step = _forward_backward(fn, entry.leaves, entry.d_outs)
-                row["fwd_bwd_us"], row["fwd_bwd_synced_us"] = timing.host_us(step, device, **counts)
-        except Exception as error:  # noqa: BLE001 (one variant failing must not lose the others)
-            row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                rows[role][f"{phase}_us"], rows[role][f"{phase}_synced_us"] = result
         for t in entry.leaves:
             t.grad = None
-        rows.append(row)
-    return rows
+    return [rows[role] for role in roles]
 
 
 def host_rows(cfg, device, peers) -> list:

@@ -141,24 +141,44 @@ def launch_ms(fn, device, rep=200, warmup=25) -> float:
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def host_us(fn, device, calls=300, warmup=50, repeats=5) -> tuple:
-    """(host, synced): medians over ``repeats`` of the CPU wall time per call of ``calls`` calls, measured when
-    the last call returns (host) and after the device has finished them (synced). synced well above host
-    means the GPU, not the host, set the pace: the host figure then holds waiting for a full launch queue."""
-    for _ in range(warmup):
-        fn()
+def host_us(fns: dict, device, calls=300, warmup=50, repeats=5) -> dict:
+    """{name: (host, synced)} for ``fns`` ({name: a call}): medians over ``repeats`` rounds of the CPU wall time
+    per call of ``calls`` calls, measured when the last call returns (host) and after the device has finished
+    them (synced). synced well above host means the GPU, not the host, set the pace: the host figure then holds
+    waiting for a full launch queue. The rounds alternate between the calls (the order reversed every other
+    round), because the host's speed drifts by tens of percent over seconds (NOTES.md §23): timed one after
+    the other, whichever call ran at the slower moment carried the drift. A call that raises is reported as
+    {name: error} and leaves the rounds; the others go on."""
+    results, host, synced = {}, {name: [] for name in fns}, {name: [] for name in fns}
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+        except Exception as error:  # noqa: BLE001 (one call failing must not lose the others)
+            results[name] = error
+    names = [name for name in fns if name not in results]
     sync(device)
-    host, synced = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        returned = time.perf_counter()
-        sync(device)
-        done = time.perf_counter()
-        host.append((returned - start) / calls * 1e6)
-        synced.append((done - start) / calls * 1e6)
-    return statistics.median(host), statistics.median(synced)
+    for round_index in range(repeats):
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            if name in results:
+                continue
+            fn = fns[name]
+            try:
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                returned = time.perf_counter()
+                sync(device)
+            except Exception as error:  # noqa: BLE001
+                results[name] = error
+                continue
+            done = time.perf_counter()
+            host[name].append((returned - start) / calls * 1e6)
+            synced[name].append((done - start) / calls * 1e6)
+    for name in names:
+        if name not in results:
+            results[name] = (statistics.median(host[name]), statistics.median(synced[name]))
+    return results
 
 
 def copy_bytes_per_s(device, nbytes=2**30) -> float:

@@ -372,6 +372,119 @@ def _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z
     )
 
 
+# The reductions on the Triton path, each one program looping over the rows (the same sums on every run: no
+# atomics). "mean"'s divisors and the rows' sums are a few floats per token, but as PyTorch ops they cost the
+# host five to nine dispatched ops per call, more than the kernels' launches on a small batch
+# (benchmarks/NOTES.md §23).
+REDUCE_BLOCK = 1024
+
+
+@jit
+def _divisors_kernel(
+    target_ptr,
+    ce_weight_ptr,
+    weights_ptr,
+    count_ptr,
+    inv_weights_ptr,
+    inv_count_ptr,
+    n_rows,
+    n_classes,
+    ignore_index,
+    HAS_CE_WEIGHT: constexpr,
+    BLOCK: constexpr,
+):
+    count = tl.zeros((BLOCK,), tl.int64)
+    weights = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        y = tl.load(target_ptr + rows, mask=rows < n_rows, other=ignore_index).to(tl.int64)
+        kept = y != ignore_index
+        count += kept.to(tl.int64)
+        if HAS_CE_WEIGHT:
+            # a kept target out of range counts class 0's weight, as the PyTorch path does (its loss is NaN)
+            y_safe = tl.where(kept & (y >= 0) & (y < n_classes), y, 0)
+            weights += tl.load(ce_weight_ptr + y_safe, mask=kept, other=0.0).to(tl.float32)
+    c = tl.sum(count, axis=0).to(tl.float32)  # an exact count, rounded once
+    tl.store(count_ptr, c)
+    tl.store(inv_count_ptr, tl.div_rn(1.0, c))  # (PyTorch's division rounds correctly; "/" need not)
+    if HAS_CE_WEIGHT:
+        w = tl.sum(weights, axis=0)
+        tl.store(weights_ptr, w)
+        tl.store(inv_weights_ptr, tl.div_rn(1.0, w))
+
+
+@jit
+def _sums_kernel(
+    ce_ptr, z_ptr, weights_ptr, count_ptr, ce_part_ptr, z_loss_ptr, loss_ptr, n_rows, MEAN: constexpr, BLOCK: constexpr
+):
+    ce_sum = tl.zeros((BLOCK,), tl.float32)
+    z_sum = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        mask = rows < n_rows
+        ce_sum += tl.load(ce_ptr + rows, mask=mask, other=0.0)
+        z_sum += tl.load(z_ptr + rows, mask=mask, other=0.0)
+    ce_part = tl.sum(ce_sum, axis=0)
+    z_loss = tl.sum(z_sum, axis=0)
+    if MEAN:  # divided after summing, as PyTorch's mean
+        ce_part = tl.div_rn(ce_part, tl.load(weights_ptr))
+        z_loss = tl.div_rn(z_loss, tl.load(count_ptr))
+    tl.store(ce_part_ptr, ce_part)
+    tl.store(z_loss_ptr, z_loss)
+    tl.store(loss_ptr, ce_part + z_loss)
+
+
+def reduces_on_device(rows: torch.Tensor) -> bool:
+    """Whether the reductions of these loss rows run as the kernels above: rows of the eager Functions' forward,
+    on the Triton path. Rows that a graph records keep PyTorch's ops: autograd's (rows requiring grad), a
+    compiled or exported program's or torch.jit.trace's (a launch is no op of theirs), torch.func's and forward
+    AD's (wrapped or dual rows)."""
+    return (
+        rows.dtype in _backend.TRITON_DTYPES
+        and not rows.requires_grad
+        and not torch.compiler.is_compiling()
+        and not _backend.exporting()
+        and not _backend.forward_ad_active()
+        and use_triton(rows)
+        and not torch._C._functorch.is_functorch_wrapped_tensor(rows)
+    )
+
+
+def _divisors_triton(target, ce_weight, opts: Options, rows):
+    new, like = _backend.new_tensor, {"dtype": rows.dtype, "device": rows.device}
+    count, inv_count = new((), **like), new((), **like)
+    if ce_weight is None:
+        weights, inv_weights = count, inv_count
+    else:
+        weights, inv_weights = new((), **like), new((), **like)
+    n_classes = 0 if ce_weight is None else ce_weight.shape[0]
+    launch(
+        _divisors_kernel,
+        (1,),
+        (target, rows if ce_weight is None else ce_weight, weights, count, inv_weights, inv_count, target.numel(),
+         n_classes, opts.ignore_index),
+        HAS_CE_WEIGHT=ce_weight is not None,
+        BLOCK=REDUCE_BLOCK,
+        num_warps=4,
+    )  # fmt: skip
+    return weights, count, inv_weights, inv_count
+
+
+def _sums_triton(ce, z, divisors):
+    new, like = _backend.new_tensor, {"dtype": ce.dtype, "device": ce.device}
+    ce_part, z_loss, loss = new((), **like), new((), **like), new((), **like)
+    weights, count = divisors[:2] if divisors else (ce, ce)
+    launch(
+        _sums_kernel,
+        (1,),
+        (ce, z, weights, count, ce_part, z_loss, loss, ce.numel()),
+        MEAN=bool(divisors),
+        BLOCK=REDUCE_BLOCK,
+        num_warps=4,
+    )
+    return ce_part, z_loss, loss
+
+
 # ----------------------------------------------------------------------------------------------------------
 # PyTorch path: the same math in fp32 (fp64 for fp64 logits). ``rows_torch`` is differentiable, so the
 # composite (torch.func, torch.export) is the same code; the gradient functions work in place on V-wide
@@ -569,16 +682,20 @@ def class_weight_total(ce_weight):
     return None if ce_weight is None else ce_weight.sum(dtype=compute_dtype(ce_weight.dtype)).reshape(1)
 
 
-def denominators(target, ce_weight, opts: Options, dtype):
-    """(sum of the kept targets' class weights, count of kept rows) as 0-d device tensors: the divisors of
-    "mean" (no synchronization: they stay on the device). Without class weights both are the same tensor."""
+def denominators(target, ce_weight, opts: Options, rows):
+    """The divisors of "mean" for the loss rows ``rows``: (sum of the kept targets' class weights, count of kept
+    rows), 0-d device tensors (no synchronization: they stay on the device); without class weights both are the
+    same tensor. Where the rows reduce on the device (``reduces_on_device``) one kernel writes them, with their
+    reciprocals after them (the gradient's scales, see ``row_scales``)."""
+    if reduces_on_device(rows):
+        return _divisors_triton(target, ce_weight, opts, rows)
     kept = target != opts.ignore_index
-    count = kept.sum().to(dtype)  # an exact count (int64), rounded once
+    count = kept.sum().to(rows.dtype)  # an exact count (int64), rounded once
     if ce_weight is None:
         return count, count
     n_classes = ce_weight.shape[0]
     y = torch.where(kept & (target >= 0) & (target < n_classes), target, 0)
-    return (ce_weight.to(dtype)[y] * kept).sum(), count
+    return (ce_weight.to(rows.dtype)[y] * kept).sum(), count
 
 
 def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, rows_shape, divisors=None):
@@ -589,33 +706,41 @@ def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bo
         if want_accuracy:
             accuracy = ((pred == target) & (target != opts.ignore_index)).to(torch.float32).view(rows_shape)
         return (ce + z).view(rows_shape), z.view(rows_shape), accuracy
-    ce_part, z_loss, accuracy = reduced_parts(ce, z, pred, target, ce_weight, opts, want_accuracy, divisors)
-    return ce_part + z_loss, z_loss, accuracy
+    ce_part, z_loss, accuracy, loss = reduced_parts(ce, z, pred, target, ce_weight, opts, want_accuracy, divisors)
+    return ce_part + z_loss if loss is None else loss, z_loss, accuracy
 
 
 def reduced_parts(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, divisors=None):
-    """ "mean" or "sum": (the cross-entropy's share of the loss, z_loss, token_accuracy); the loss is the first
-    plus the second."""
-    if opts.reduction == "sum":
+    """ "mean" or "sum": (the cross-entropy's share of the loss, z_loss, token_accuracy, the loss); the loss is
+    the first plus the second, None where the caller is to add them (the PyTorch path)."""
+    loss = None
+    if opts.reduction == "mean" and divisors is None:
+        divisors = denominators(target, ce_weight, opts, ce)
+    if reduces_on_device(ce):
+        ce_part, z_loss, loss = _sums_triton(ce, z, divisors if opts.reduction == "mean" else ())
+    elif opts.reduction == "sum":
         z_loss, ce_part = z.sum(), ce.sum()
     else:
-        weights, count = denominators(target, ce_weight, opts, ce.dtype) if divisors is None else divisors
-        z_loss, ce_part = z.sum() / count, ce.sum() / weights
+        z_loss, ce_part = z.sum() / divisors[1], ce.sum() / divisors[0]
     accuracy = None
     if want_accuracy:
         kept = target != opts.ignore_index
         accuracy = ((pred == target) & kept).to(torch.float32).sum() / kept.sum()
-    return ce_part, z_loss, accuracy
+    return ce_part, z_loss, accuracy, loss
 
 
-def row_scales(target, ce_weight, opts: Options, dtype, divisors=None):
+def row_scales(target, ce_weight, opts: Options, rows, divisors=None):
     """The (ce_scale, z_scale) the gradient kernel reads for a loss computed with its gradient: 1/denominators
-    for "mean" (``divisors`` where the caller has them already), ones for "sum"; 0-d, the same for every row."""
+    for "mean" (``divisors`` where the caller has them already; the kernel's carry their reciprocals), ones for
+    "sum"; 0-d, the same for every row."""
     if opts.reduction == "mean":
-        weights, count = denominators(target, ce_weight, opts, dtype) if divisors is None else divisors
+        divisors = denominators(target, ce_weight, opts, rows) if divisors is None else divisors
+        if len(divisors) == 4:
+            return divisors[2], divisors[3]
+        weights, count = divisors
         z_scale = torch.reciprocal(count)
         return z_scale if weights is count else torch.reciprocal(weights), z_scale
-    ones = torch.ones((), dtype=dtype, device=target.device)
+    ones = torch.ones((), dtype=rows.dtype, device=target.device)
     return ones, ones
 
 
@@ -667,8 +792,8 @@ class _EagerReduced(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ce_weight, opts, want_pred, want_accuracy):
         lse, ce, z, pred = _rows_forward(logits, target, ce_weight, opts, want_pred)
-        divisors = denominators(target, ce_weight, opts, ce.dtype) if opts.reduction == "mean" else ()
-        ce_part, z_loss, accuracy = reduced_parts(
+        divisors = denominators(target, ce_weight, opts, ce)[:2] if opts.reduction == "mean" else ()
+        ce_part, z_loss, accuracy, _ = reduced_parts(
             ce, z, pred, target, ce_weight, opts, want_accuracy, divisors=divisors or None
         )
         # Without class weights both divisors are the count: saved once, divided by once.

@@ -291,8 +291,8 @@ def forward_core(
     grad_x, grad_w, grad_b = _accumulators(
         x, w, weight.dtype, dtype, accum_dtype, needs if grads_now else (False,) * 3, device
     )
-    divisors = _ce.denominators(t, ce_weight, opts, loss_dtype) if opts.reduction == "mean" else None
-    scales = _ce.row_scales(t, ce_weight, opts, loss_dtype, divisors=divisors) if grads_now else None
+    divisors = _ce.denominators(t, ce_weight, opts, ce) if opts.reduction == "mean" else None
+    scales = _ce.row_scales(t, ce_weight, opts, ce, divisors=divisors) if grads_now else None
     weight_total = _ce.class_weight_total(ce_weight)
     for start, stop, logits in _chunks(x, w, b):
         rows = _rows(start, stop, n_rows, t, lse, ce, z, pred, x, grad_x)
