@@ -127,11 +127,11 @@ BUDGETS = {  # name: ((Python calls), (aten ops)), each (forward, no_grad forwar
     "liger_rotary_pos_emb": ((63, 59, 32), (7, 7, 4)),
     # the losses' reductions are two kernels of the package (more Python calls here) instead of five to nine aten
     # ops ("mean"'s divisors and the sums; 10-40 us each on the H200 machine, benchmarks/NOTES.md §23)
-    "cross_entropy": ((117, 117, 25), (15, 15, 2)),
-    "liger_fused_linear_cross_entropy": ((205, 164, 28), (22, 17, 0)),
-    "LigerFusedLinearCrossEntropyFunction": ((186, 186, 28), (22, 22, 0)),
-    "LigerForCausalLMLoss": ((131, 131, 25), (19, 19, 3)),
-    "LigerForCausalLMLoss, fused": ((222, 181, 28), (26, 21, 1)),
+    "cross_entropy": ((119, 119, 25), (15, 15, 2)),
+    "liger_fused_linear_cross_entropy": ((207, 166, 28), (22, 17, 0)),
+    "LigerFusedLinearCrossEntropyFunction": ((188, 188, 28), (22, 22, 0)),
+    "LigerForCausalLMLoss": ((133, 133, 25), (19, 19, 3)),
+    "LigerForCausalLMLoss, fused": ((224, 183, 28), (26, 21, 1)),
 }
 
 

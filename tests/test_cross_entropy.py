@@ -159,3 +159,60 @@ def test_device_reductions_match_pytorch(lk, rows, weighted, device):
         assert divisors[1].item() == 0 and divisors[0].item() == 0
         mean = opts._replace(reduction="mean")
         assert ce_module.reduced_parts(ce * 0, z * 0, None, ignored, ce_weight, mean, False, divisors)[3].isnan()
+        # kept targets out of range count class 0's weight in both paths (their rows' loss is NaN anyway)
+        wild = torch.tensor([3, 1_000_000, -5, -7, 39], device=device)
+        with backend("torch"):
+            want = ce_module.denominators(wild, ce_weight, mean, ce[:5])
+        got = ce_module.denominators(wild, ce_weight, mean, ce[:5])
+        assert got[1].item() == want[1].item() == 4 and rel_err(got[0], want[0]) <= FP32_BOUND
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_device_reductions_are_compensated(lk, device):
+    """The row sums and the summed class weights of the Triton path add each lane's rows with Kahan's
+    compensation: 100 ones after 2**24 in one lane (a plain fp32 sum loses every one) give 2**24 + 100 exactly,
+    and an inf or a NaN among the rows still gives PyTorch's inf or NaN."""
+    skip_unless_runnable("triton", device)
+    ce_module = lk.cross_entropy
+    rows = ce_module.REDUCE_BLOCK * 101
+    values = torch.zeros(rows, device=device)
+    values[0] = 2.0**24
+    values[ce_module.REDUCE_BLOCK :: ce_module.REDUCE_BLOCK] = 1.0  # the same lane as row 0
+    target = torch.full((rows,), -100, device=device)
+    target[:: ce_module.REDUCE_BLOCK] = 1
+    target[0] = 0
+    ce_weight = torch.tensor([2.0**24, 1.0], device=device)
+    opts = ce_module.Options(reduction="sum")
+    with backend("triton"):
+        loss = ce_module.reduced_parts(values, values * 0, None, target, None, opts, False)[3]
+        assert loss.item() == 2.0**24 + 100
+        weights, count = ce_module.denominators(target, ce_weight, opts, values)[:2]
+        assert weights.item() == 2.0**24 + 100 and count.item() == 101
+        zeros = torch.zeros_like(values)
+        for bad, want in ((float("inf"), float("inf")), (float("nan"), float("nan"))):
+            values[7] = bad
+            got = ce_module.reduced_parts(values, zeros, None, target, None, opts, False)[3].item()
+            assert got == want or (got != got and want != want), (bad, got)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_class_weights_strided_or_infinite_on_an_unused_class(lk, reduction, backend_name):
+    """A strided ce_weight view is read as its values (the kernels index it densely), and an infinite weight of
+    a class that no kept target has changes nothing, as in F.cross_entropy: no inf * 0 for ignored rows or for
+    the smoothing term that is absent."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(50, 13, generator=generator, dtype=torch.float64)
+    target = torch.randint(1, 13, (50,), generator=generator)
+    target[::3] = -100
+    strided = (torch.rand(26, generator=generator, dtype=torch.float64) + 0.5)[::2]
+    infinite = torch.rand(13, generator=generator, dtype=torch.float64) + 0.5
+    infinite[0] = float("inf")  # class 0: never a kept target; an ignored row's stand-in in the PyTorch path
+    for ce_weight in (strided, infinite):
+        x = logits.float().requires_grad_()
+        loss = lk.cross_entropy.cross_entropy(x, target, ce_weight.float(), reduction=reduction)
+        (grad,) = torch.autograd.grad(loss, x)
+        x64 = logits.clone().requires_grad_()
+        want = torch.nn.functional.cross_entropy(x64, target, weight=ce_weight, reduction=reduction)
+        (want_grad,) = torch.autograd.grad(want, x64)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()
+        assert rel_err(loss, want) <= FP32_BOUND and rel_err(grad, want_grad) <= FP32_BOUND

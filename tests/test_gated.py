@@ -176,6 +176,26 @@ def test_public_function_apply_binds_as_pytorch_does(lk, name, monkeypatch):
     assert type(out.grad_fn) is subclass._backward_cls and bound
 
 
+@pytest.mark.parametrize("name", sorted(BINDINGS))
+def test_public_function_apply_unwraps_dead_functorch_wrappers(lk, name):
+    """A tensor made inside a finished torch.func transform and used afterwards is a dead wrapper: PyTorch's apply
+    unwraps it, so the gradient reaches what it was computed from; the Functions' own apply must too."""
+    function = getattr(lk, name)
+    x0, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    escaped = []
+
+    def f(x):
+        y = x * 2
+        escaped.append(y)
+        return function.apply(y, b).sum()
+
+    with backend("torch"):
+        torch.func.grad(f)(x0)
+        (got,) = torch.autograd.grad(function.apply(escaped[0], b).sum(), x0, allow_unused=True)
+        (want,) = torch.autograd.grad(function.apply(x0 * 2, b).sum(), x0)
+    assert got is not None and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_public_function_leaves_caller_tensors_intact(lk, op, backend_name):
     """Gradients go to fresh tensors: a gate the caller still holds (and reads after backward) keeps its values."""

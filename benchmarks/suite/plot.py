@@ -251,6 +251,8 @@ def _host_table(results):
         )
     config = (results.get("host") or {}).get("config", {}) if isinstance(results.get("host"), dict) else {}
     counts = f"{config.get('calls', 300)} calls after {config.get('warmup', 50)}, median of {config.get('repeats', 5)}"
+    if config.get("alternating"):  # runs from 2026-12-02q on
+        counts += " rounds alternating between the variants"
     table = _table(
         f"Host time per call, µs (forward / forward + backward; tiny bf16 inputs, {counts}; inference entries "
         "forward only, under no_grad):",

@@ -41,7 +41,7 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-# Every kernel output is allocated through this name (``_backend.new_tensor(shape, dtype, device)``, looked
+# Every kernel output is allocated through this name (``_backend.new_tensor(shape, dtype=, device=)``, looked
 # up at call time) so that tests can poison outputs (fill them with NaN) before a launch.
 new_tensor = torch.empty
 

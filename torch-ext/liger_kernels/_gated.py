@@ -364,6 +364,7 @@ def bind_cheaply(function_class):
         return c_apply(*unwrap_dead(args))
 
     apply.__doc__ = torch.autograd.Function.apply.__doc__
+    apply.__qualname__ = f"{function_class.__qualname__}.apply"
     function_class.apply = classmethod(apply)
     return function_class
 
@@ -521,9 +522,8 @@ torch.library.register_autograd(gated_forward_op, _backward, setup_context=_setu
 # ----------------------------------------------------------------------------------------------------------
 # The functional forms (silu_mul, gelu_mul) and the layers call gated_apply. torch.compile gets the
 # torch.library op above; eager code gets a plain autograd.Function, because the op's dispatch costs the host
-# several times more per call, and the setup_context-style public Functions bind their arguments through
-# inspect.signature on every apply (figures in benchmarks/NOTES.md). A host that cannot run ahead of the GPU
-# (small models, decoding) feels that directly.
+# several times more per call (figures in benchmarks/NOTES.md). A host that cannot run ahead of the GPU (small
+# models, decoding) feels that directly. (The public Functions' own apply, bind_cheaply's, costs the same.)
 
 
 class _EagerGated(torch.autograd.Function):

@@ -119,7 +119,7 @@ def check_class_weight(ce_weight, n_classes: int, device, op: str):
         raise ValueError(f"{op}: `ce_weight` must be on {device}, got {ce_weight.device}")
     if ce_weight.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{op}: `ce_weight` gets no gradient (as in F.cross_entropy); pass it detached")
-    return ce_weight
+    return ce_weight.contiguous()  # the kernels index it densely (a strided view was read as if contiguous)
 
 
 def check_flag(value, arg: str, op: str) -> bool:
@@ -288,7 +288,10 @@ def _ce_grad_kernel(
             w_y = 1.0
             weight_total = n_cols * 1.0  # (not .to: Triton passes n_cols = 1 as a constexpr)
         eps = label_smoothing / n_cols
-        coef_p = a * ((1.0 - label_smoothing) * w_y + eps * weight_total)
+        coef_w = (1.0 - label_smoothing) * w_y
+        if SMOOTHING:  # (without: no 0 * W, NaN for an infinite class weight that no kept target has)
+            coef_w += eps * weight_total
+        coef_p = a * coef_w
         if Z_LOSS:
             coef_p += b * 2.0 * lse_square_scale * lse
         target_term = a * (1.0 - label_smoothing) * w_y
@@ -380,6 +383,23 @@ REDUCE_BLOCK = 1024
 
 
 @jit
+def _compensated_add(total, carry, plain, x):
+    """One step of Kahan's summation per lane: ``total - carry`` tracks the exact sum to fp32 rounding whatever
+    the row count (a plain per-lane sum of millions of rows drifts by tens of ulps); ``plain`` is the plain sum,
+    whose inf or NaN is the answer where the inputs hold one (the compensation turns inf into NaN)."""
+    y = x - carry
+    t = total + y
+    carry = (t - total) - y
+    return t, carry, plain + x
+
+
+@jit
+def _lanes_sum(total, carry, plain):
+    plain = tl.sum(plain, axis=0)
+    return tl.where(plain - plain == 0, tl.sum(total - carry, axis=0), plain)  # finite: compensated; else plain's
+
+
+@jit
 def _divisors_kernel(
     target_ptr,
     ce_weight_ptr,
@@ -394,7 +414,9 @@ def _divisors_kernel(
     BLOCK: constexpr,
 ):
     count = tl.zeros((BLOCK,), tl.int64)
-    weights = tl.zeros((BLOCK,), tl.float32)
+    total = tl.zeros((BLOCK,), tl.float32)
+    carry = tl.zeros((BLOCK,), tl.float32)
+    plain = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, n_rows, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         y = tl.load(target_ptr + rows, mask=rows < n_rows, other=ignore_index).to(tl.int64)
@@ -403,12 +425,13 @@ def _divisors_kernel(
         if HAS_CE_WEIGHT:
             # a kept target out of range counts class 0's weight, as the PyTorch path does (its loss is NaN)
             y_safe = tl.where(kept & (y >= 0) & (y < n_classes), y, 0)
-            weights += tl.load(ce_weight_ptr + y_safe, mask=kept, other=0.0).to(tl.float32)
+            w = tl.load(ce_weight_ptr + y_safe, mask=kept, other=0.0).to(tl.float32)
+            total, carry, plain = _compensated_add(total, carry, plain, w)
     c = tl.sum(count, axis=0).to(tl.float32)  # an exact count, rounded once
     tl.store(count_ptr, c)
     tl.store(inv_count_ptr, tl.div_rn(1.0, c))  # (PyTorch's division rounds correctly; "/" need not)
     if HAS_CE_WEIGHT:
-        w = tl.sum(weights, axis=0)
+        w = _lanes_sum(total, carry, plain)
         tl.store(weights_ptr, w)
         tl.store(inv_weights_ptr, tl.div_rn(1.0, w))
 
@@ -417,15 +440,21 @@ def _divisors_kernel(
 def _sums_kernel(
     ce_ptr, z_ptr, weights_ptr, count_ptr, ce_part_ptr, z_loss_ptr, loss_ptr, n_rows, MEAN: constexpr, BLOCK: constexpr
 ):
-    ce_sum = tl.zeros((BLOCK,), tl.float32)
-    z_sum = tl.zeros((BLOCK,), tl.float32)
+    ce_total = tl.zeros((BLOCK,), tl.float32)
+    ce_carry = tl.zeros((BLOCK,), tl.float32)
+    ce_plain = tl.zeros((BLOCK,), tl.float32)
+    z_total = tl.zeros((BLOCK,), tl.float32)
+    z_carry = tl.zeros((BLOCK,), tl.float32)
+    z_plain = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, n_rows, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         mask = rows < n_rows
-        ce_sum += tl.load(ce_ptr + rows, mask=mask, other=0.0)
-        z_sum += tl.load(z_ptr + rows, mask=mask, other=0.0)
-    ce_part = tl.sum(ce_sum, axis=0)
-    z_loss = tl.sum(z_sum, axis=0)
+        ce = tl.load(ce_ptr + rows, mask=mask, other=0.0)
+        z = tl.load(z_ptr + rows, mask=mask, other=0.0)
+        ce_total, ce_carry, ce_plain = _compensated_add(ce_total, ce_carry, ce_plain, ce)
+        z_total, z_carry, z_plain = _compensated_add(z_total, z_carry, z_plain, z)
+    ce_part = _lanes_sum(ce_total, ce_carry, ce_plain)
+    z_loss = _lanes_sum(z_total, z_carry, z_plain)
     if MEAN:  # divided after summing, as PyTorch's mean
         ce_part = tl.div_rn(ce_part, tl.load(weights_ptr))
         z_loss = tl.div_rn(z_loss, tl.load(count_ptr))
@@ -441,6 +470,7 @@ def reduces_on_device(rows: torch.Tensor) -> bool:
     AD's (wrapped or dual rows)."""
     return (
         rows.dtype in _backend.TRITON_DTYPES
+        and rows.numel() > 0  # (no launch on empty tensors: PyTorch's ops give the 0 and the NaN)
         and not rows.requires_grad
         and not torch.compiler.is_compiling()
         and not _backend.exporting()
@@ -568,10 +598,13 @@ def _grad_coefficients(s_y, lse, y, kept, in_range, w, n_cols, ce_scale, z_scale
     # where, not a product: an all-ignored "mean" has an infinite scale, and its rows must still give 0
     a = torch.where(kept, torch.where(in_range, a, float("nan")), 0.0)
     b = torch.where(kept, torch.where(in_range, b, float("nan")), 0.0)
-    w_y = w[y] if w is not None else torch.ones_like(lse)
-    weight_total = w.sum() if w is not None else float(n_cols)
+    # an ignored row's stand-in class may weigh inf: its weight must not reach a product with its zero scale
+    w_y = torch.where(kept, w[y], 0.0) if w is not None else torch.ones_like(lse)
     eps = opts.label_smoothing / n_cols
-    coef_p = a * ((1.0 - opts.label_smoothing) * w_y + eps * weight_total) + b * 2.0 * opts.lse_square_scale * lse
+    coef_w = (1.0 - opts.label_smoothing) * w_y
+    if opts.label_smoothing > 0:  # as the kernel: no 0 * W
+        coef_w = coef_w + eps * (w.sum() if w is not None else float(n_cols))
+    coef_p = a * coef_w + b * 2.0 * opts.lse_square_scale * lse
     return coef_p, a * eps, a * (1.0 - opts.label_smoothing) * w_y
 
 
@@ -695,7 +728,8 @@ def denominators(target, ce_weight, opts: Options, rows):
         return count, count
     n_classes = ce_weight.shape[0]
     y = torch.where(kept & (target >= 0) & (target < n_classes), target, 0)
-    return (ce_weight.to(rows.dtype)[y] * kept).sum(), count
+    # where, not a product with the mask: an ignored row's stand-in class may weigh inf (inf * 0 is NaN)
+    return torch.where(kept, ce_weight.to(rows.dtype)[y], 0.0).sum(), count
 
 
 def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, rows_shape, divisors=None):

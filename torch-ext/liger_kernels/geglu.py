@@ -56,7 +56,7 @@ class LigerGELUMulFunction(torch.autograd.Function):
 
 
 def gelu_mul(a, b, approximate="tanh", in_place_backward=False):
-    """:class:`LigerGELUMulFunction`'s math and checks with less host cost per call; under torch.compile a
+    """:class:`LigerGELUMulFunction`'s math and checks, as cheap per call; under torch.compile a
     torch.library op, traced without a graph break."""
     activation, in_place = _checked(a, b, approximate, in_place_backward)
     return _gated.gated_apply(a, b, activation, 1.0, 1.0, in_place)
