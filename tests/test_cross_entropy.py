@@ -193,6 +193,16 @@ def test_device_reductions_are_compensated(lk, device):
             values[7] = bad
             got = ce_module.reduced_parts(values, zeros, None, target, None, opts, False)[3].item()
             assert got == want or (got != got and want != want), (bad, got)
+        # a lane's compensated total may overflow where the plain sum does not: the plain sum is the answer
+        values[7] = 0.0
+        top = torch.finfo(torch.float32).max
+        values[0], values[ce_module.REDUCE_BLOCK], values[2 * ce_module.REDUCE_BLOCK] = (
+            top,
+            0.3 * 2.0**104,
+            0.3 * 2.0**104,
+        )
+        got = ce_module.reduced_parts(values, zeros, None, target, None, opts, False)[3].item()
+        assert got == top, got  # each 0.3 ulp rounds away in the plain sum; compensated, they overflow
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -204,15 +214,16 @@ def test_class_weights_strided_or_infinite_on_an_unused_class(lk, reduction, bac
     logits = torch.randn(50, 13, generator=generator, dtype=torch.float64)
     target = torch.randint(1, 13, (50,), generator=generator)
     target[::3] = -100
-    strided = (torch.rand(26, generator=generator, dtype=torch.float64) + 0.5)[::2]
-    infinite = torch.rand(13, generator=generator, dtype=torch.float64) + 0.5
+    strided = (torch.rand(26, generator=generator) + 0.5)[::2]
+    assert strided.stride(0) == 2
+    infinite = torch.rand(13, generator=generator) + 0.5
     infinite[0] = float("inf")  # class 0: never a kept target; an ignored row's stand-in in the PyTorch path
     for ce_weight in (strided, infinite):
         x = logits.float().requires_grad_()
-        loss = lk.cross_entropy.cross_entropy(x, target, ce_weight.float(), reduction=reduction)
+        loss = lk.cross_entropy.cross_entropy(x, target, ce_weight, reduction=reduction)
         (grad,) = torch.autograd.grad(loss, x)
         x64 = logits.clone().requires_grad_()
-        want = torch.nn.functional.cross_entropy(x64, target, weight=ce_weight, reduction=reduction)
+        want = torch.nn.functional.cross_entropy(x64, target, weight=ce_weight.double(), reduction=reduction)
         (want_grad,) = torch.autograd.grad(want, x64)
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
         assert rel_err(loss, want) <= FP32_BOUND and rel_err(grad, want_grad) <= FP32_BOUND

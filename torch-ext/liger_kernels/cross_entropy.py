@@ -396,7 +396,8 @@ def _compensated_add(total, carry, plain, x):
 @jit
 def _lanes_sum(total, carry, plain):
     plain = tl.sum(plain, axis=0)
-    return tl.where(plain - plain == 0, tl.sum(total - carry, axis=0), plain)  # finite: compensated; else plain's
+    compensated = tl.sum(total - carry, axis=0)  # (inf - inf where a lane's total overflowed and the plain did not)
+    return tl.where((plain - plain == 0) & (compensated - compensated == 0), compensated, plain)
 
 
 @jit
