@@ -394,6 +394,13 @@ def _compensated_add(total, carry, plain, x):
 
 
 @jit
+def _zero_lanes(BLOCK: constexpr):
+    """A compensated sum's (total, carry, plain) lanes, zero."""
+    zeros = tl.zeros((BLOCK,), tl.float32)
+    return zeros, zeros, zeros
+
+
+@jit
 def _lanes_sum(total, carry, plain):
     plain = tl.sum(plain, axis=0)
     compensated = tl.sum(total - carry, axis=0)  # (inf - inf where a lane's total overflowed and the plain did not)
@@ -415,9 +422,7 @@ def _divisors_kernel(
     BLOCK: constexpr,
 ):
     count = tl.zeros((BLOCK,), tl.int64)
-    total = tl.zeros((BLOCK,), tl.float32)
-    carry = tl.zeros((BLOCK,), tl.float32)
-    plain = tl.zeros((BLOCK,), tl.float32)
+    total, carry, plain = _zero_lanes(BLOCK)
     for start in range(0, n_rows, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         y = tl.load(target_ptr + rows, mask=rows < n_rows, other=ignore_index).to(tl.int64)
@@ -441,12 +446,8 @@ def _divisors_kernel(
 def _sums_kernel(
     ce_ptr, z_ptr, weights_ptr, count_ptr, ce_part_ptr, z_loss_ptr, loss_ptr, n_rows, MEAN: constexpr, BLOCK: constexpr
 ):
-    ce_total = tl.zeros((BLOCK,), tl.float32)
-    ce_carry = tl.zeros((BLOCK,), tl.float32)
-    ce_plain = tl.zeros((BLOCK,), tl.float32)
-    z_total = tl.zeros((BLOCK,), tl.float32)
-    z_carry = tl.zeros((BLOCK,), tl.float32)
-    z_plain = tl.zeros((BLOCK,), tl.float32)
+    ce_total, ce_carry, ce_plain = _zero_lanes(BLOCK)
+    z_total, z_carry, z_plain = _zero_lanes(BLOCK)
     for start in range(0, n_rows, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         mask = rows < n_rows
