@@ -122,16 +122,16 @@ BUDGETS = {  # name: ((Python calls), (aten ops)), each (forward, no_grad forwar
     # its own apply binds the arguments (5 calls counted here) where PyTorch's ran inspect's binding, uncounted
     "LigerSiLUMulFunction": ((44, 44, 30), (1, 1, 2)),
     "rms_norm": ((51, 44, 43), (4, 3, 5)),
-    "LigerSwiGLUMLP": ((80, 46, 40), (7, 7, 7)),
-    "LigerTiledSwiGLUMLP, one shard": ((161, 127, 40), (7, 7, 7)),
+    "LigerSwiGLUMLP": ((60, 46, 40), (7, 7, 7)),
+    "LigerTiledSwiGLUMLP, one shard": ((136, 122, 40), (7, 7, 7)),
     "liger_rotary_pos_emb": ((63, 59, 32), (7, 7, 4)),
     # the losses' reductions are two kernels of the package (more Python calls here) instead of five to nine aten
     # ops ("mean"'s divisors and the sums; 10-40 us each on the H200 machine, benchmarks/NOTES.md §23)
     "cross_entropy": ((119, 119, 25), (15, 15, 2)),
-    "liger_fused_linear_cross_entropy": ((207, 166, 28), (22, 17, 0)),
-    "LigerFusedLinearCrossEntropyFunction": ((188, 188, 28), (22, 22, 0)),
+    "liger_fused_linear_cross_entropy": ((197, 166, 28), (22, 17, 0)),
+    "LigerFusedLinearCrossEntropyFunction": ((178, 178, 28), (22, 22, 0)),
     "LigerForCausalLMLoss": ((133, 133, 25), (19, 19, 3)),
-    "LigerForCausalLMLoss, fused": ((224, 183, 28), (26, 21, 1)),
+    "LigerForCausalLMLoss, fused": ((214, 183, 28), (26, 21, 1)),
 }
 
 

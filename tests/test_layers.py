@@ -1,6 +1,7 @@
 """Layers for kernelize: parity with transformers' MLPs, activation checks, in-place backward, kernelize."""
 
 import copy
+import sys
 import types
 
 import pytest
@@ -132,6 +133,91 @@ def test_a_missing_activation_attribute_defers_to_the_config(lk):
     assert lk.gated_mlp.geglu_mlp.check(HostCallingAMissingActivation())[0].name == "gelu_tanh"
     with pytest.raises(ValueError, match="LigerSwiGLUMLP computes .* it uses tanh-approximated GELU"):
         lk.gated_mlp.swiglu_mlp.check(HostCallingAMissingActivation())
+
+
+def _call_the_projections_exactly_as_modules(host, case, monkeypatch):
+    """Make one projection's module call differ from F.linear with its parameters, as ``case`` says."""
+    F = torch.nn.functional
+    if case == "hook on down_proj":
+        host.down_proj.register_forward_hook(lambda module, args, out: out * 1.5)
+    elif case == "global hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, out: out + 0.25 if isinstance(module, torch.nn.Linear) else None
+        )
+        del host.act_fn  # a function, not a module: the hook fires on the projections only
+        host.act_fn = F.silu
+        return handle
+    elif case == "compiled up_proj":  # what Module.compile sets; compiled, the call may round otherwise
+        host.up_proj._compiled_call_impl = lambda *args: host.up_proj._call_impl(*args) * 0.5
+    elif case == "forward on the instance":  # accelerate's offload hooks
+        up = host.up_proj
+        up.forward = lambda x: F.linear(x, up.weight * 2, up.bias)
+    elif case == "weight on the instance":  # FSDP1's unsharded views
+        weight = host.gate_proj.weight.detach() * 0.5
+        del host.gate_proj.weight
+        host.gate_proj.weight = weight
+    elif case == "Linear subclass":
+        host.down_proj.__class__ = type(
+            "Shifted", (torch.nn.Linear,), {"forward": lambda self, x: x @ self.weight.T + self.bias + 1}
+        )
+    elif case == "nn.Linear.forward patched":
+        monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: F.linear(x, self.weight, self.bias) - 1)
+    elif case == "nn.Module.__call__ patched":  # a profiler's wrapper
+        call = torch.nn.Module.__call__
+        monkeypatch.setattr(torch.nn.Linear, "__call__", lambda self, *args: call(self, *args) * 3)
+    return None
+
+
+DIRECT_CASES = [
+    "plain",
+    "hook on down_proj",
+    "global hook",
+    "compiled up_proj",
+    "forward on the instance",
+    "weight on the instance",
+    "Linear subclass",
+    "nn.Linear.forward patched",
+    "nn.Module.__call__ patched",
+]
+
+
+@pytest.mark.parametrize("case", DIRECT_CASES)
+def test_layer_calls_f_linear_directly_only_where_the_module_call_is_exactly_that(lk, case, monkeypatch):
+    """The untiled layer runs F.linear on the projections' parameters instead of calling the modules only
+    where each call is exactly that (``_hosts.linear_operands``): a hook, a compiled module, an instance's own
+    forward or weight, a subclass, or a patched nn.Linear keeps the module calls. Each case changes what its
+    projection computes, so a wrongly taken direct path gives another result than the host's own forward."""
+    torch.manual_seed(0)
+    host = llama_mlp(bias=True).double()
+    handle = _call_the_projections_exactly_as_modules(host, case, monkeypatch)
+    module_path = []
+    inner = lk._gated.gated_apply
+    monkeypatch.setattr(lk._gated, "gated_apply", lambda *args, **kw: module_path.append(1) or inner(*args, **kw))
+    try:
+        x, d_out = torch.randn(2, 5, HIDDEN, dtype=torch.float64), torch.randn(2, 5, HIDDEN, dtype=torch.float64)
+        want = run(host, x, d_out)
+        layer = bind(lk.LigerSwiGLUMLP, host)
+        module_calls = []
+
+        def profile(frame, event, arg):  # a projection's module call
+            if event == "call" and frame.f_code.co_name == "_call_impl":
+                module_calls.append(1) if isinstance(frame.f_locals.get("self"), torch.nn.Linear) else None
+
+        sys.setprofile(profile)
+        try:
+            got = run(layer, x, d_out)
+        finally:
+            sys.setprofile(None)
+    finally:
+        if handle is not None:
+            handle.remove()
+    for g, w in zip([got[0], *got[1]], [want[0], *want[1]], strict=True):
+        assert rel_err(g, w) < 1e-12
+    # the direct path calls no projection as a module and does not go through gated_apply's checks
+    if case == "plain":
+        assert not module_calls and not module_path
+    else:
+        assert module_calls
 
 
 class HostWithHookedGate(torch.nn.Module):
@@ -377,3 +463,27 @@ def test_tiled_gated_backward_through_triton_kernels(lk, host_name):
     want, got_eager = run(host64, x, d_out), run(eager, x.float(), d_out.float())
     for w, e, t in zip([want[0], *want[1]], [got_eager[0], *got_eager[1]], [got[0], *got[1]]):
         assert rel_err(t, w) <= 1.5 * rel_err(e, w) + 4 * compute_eps(torch.float32)
+
+
+class HostWithSettingsOfItsOwn(LlamaMLP):
+    """Tiling settings a host may carry other than as instance attributes."""
+
+    num_shards = 3  # a class attribute
+
+    @property
+    def tile(self):  # a property (a data descriptor: it comes before the instance's dict)
+        return True
+
+    def __getattr__(self, name):  # a lookup of its own
+        return 4 if name == "chunks" else super().__getattr__(name)
+
+
+@pytest.mark.parametrize("name", ["tile", "num_shards", "chunks", "missing", "gate_proj", "scale", "extra"])
+def test_tiled_layers_read_host_settings_as_getattr_does(lk, name):
+    host = HostWithSettingsOfItsOwn(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE))
+    host.register_buffer("scale", torch.ones(1))
+    host.extra = 5
+    plain = llama_mlp()
+    plain.extra = 7
+    for module in (host, plain):
+        assert lk.layers._host_setting(module, name) is getattr(module, name, None)

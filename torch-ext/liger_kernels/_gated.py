@@ -385,9 +385,12 @@ def transforms_active(*tensors) -> bool:
     if torch.compiler.is_compiling():
         return False
     for t in tensors:
-        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if is_functorch_wrapped(t):
             return True
     return False
+
+
+is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # a tensor of a torch.func transform
 
 
 def may_write_over(gate, up) -> bool:
@@ -546,10 +549,19 @@ def gated_apply(
     torch.export and torch.func get the PyTorch composite: an exported program then holds only aten ops and
     loads wherever PyTorch does (the torch.library namespace is per build), and transformed tensors have no
     storage for a kernel."""
-    if _backend.exporting() or transforms_active(gate, up):
+    if _backend.forward_ad_active() or _backend.exporting():  # compiled too (see transforms_active)
         return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     if torch.compiler.is_compiling():
         return gated_forward_op(gate, up, activation.name, gate_multiplier, down_multiplier, in_place_backward)
+    return gated_apply_eager(gate, up, activation, gate_multiplier, down_multiplier, in_place_backward, own_buffers)
+
+
+def gated_apply_eager(
+    gate, up, activation: GatedActivation, gate_multiplier, down_multiplier, in_place_backward, own_buffers=False
+):
+    """:func:`gated_apply` for a caller that has found the call eager: neither compiled nor exported."""
+    if _backend.forward_ad_active() or is_functorch_wrapped(gate) or is_functorch_wrapped(up):
+        return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):  # inference: no graph to record
         return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
     return _EagerGated.apply(gate, up, activation, gate_multiplier, down_multiplier, in_place_backward, own_buffers)

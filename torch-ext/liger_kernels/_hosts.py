@@ -203,6 +203,42 @@ def _hooks_anywhere(module: nn.Module, ignore=None) -> bool:
     return any(not (ignore and ignore(hook)) for table in own for hook in table.values()) or global_hooks()
 
 
+# torch's own nn.Linear forward and module call (a library that patched either before this import is refused).
+_LINEAR_FORWARD = nn.Linear.forward if nn.Linear.forward.__module__ == "torch.nn.modules.linear" else None
+_MODULE_CALL = (nn.Module.__call__, nn.Module._call_impl)
+if any(f.__module__ != "torch.nn.modules.module" for f in _MODULE_CALL):
+    _MODULE_CALL = None
+
+
+def linear_operands(module):
+    """``(weight, bias)`` such that ``F.linear(x, weight, bias)`` is exactly the eager call ``module(x)``, else
+    None. torch's ``Module.__call__`` runs ``forward`` alone when the module has no hook of its own, no global
+    hook is registered, it is not compiled (``Module.compile``) and no jit trace records it; torch's
+    ``nn.Linear.forward`` is ``F.linear(input, self.weight, self.bias)``, and ``self.weight`` is the entry of
+    ``_parameters`` when the instance holds no attribute of that name (FSDP1 sets plain tensors there,
+    accelerate's offload sets a forward). The caller checks the global hooks and that the call is eager; this
+    checks the rest."""
+    if (
+        type(module) is not nn.Linear
+        or nn.Linear.forward is not _LINEAR_FORWARD  # patched since
+        or _MODULE_CALL is None
+        or nn.Linear.__call__ is not _MODULE_CALL[0]
+        or nn.Linear._call_impl is not _MODULE_CALL[1]
+        or module._compiled_call_impl is not None
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    ):
+        return None
+    instance, parameters = module.__dict__, module._parameters
+    if "forward" in instance or "weight" in instance or "bias" in instance:
+        return None
+    if "weight" not in parameters or "bias" not in parameters:  # registered as buffers: left to getattr's order
+        return None
+    return parameters["weight"], parameters["bias"]
+
+
 def is_plain_linear(module, engine_gathers: bool = False) -> bool:
     """A module whose call is exactly ``F.linear(x, weight, bias)`` with weights that hold values: the class
     is nn.Linear itself (not a subclass, not a parametrization's or a LoRA wrapper's class), no hook of any

@@ -9,9 +9,10 @@ Keep the two together: a change to the math here must be matched by the fast pat
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from . import _gated, _hosts
+from . import _backend, _gated, _hosts
 from .activations import REGISTRY, GatedActivation
 
 
@@ -58,26 +59,44 @@ class GatedMLP:
 
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         activation, form, act_fn = self._resolve(module)
-        if _is_hooked(act_fn):
+        hooked_globally = _hosts.global_hooks()  # global module hooks fire on every module of the host's forward
+        if isinstance(act_fn, nn.Module) and (hooked_globally or _hosts.has_hooks(act_fn)):
             # Hooks on the activation module (reading, ablating or steering neurons) must see it called: the
             # host's own forward is what they hook into.
             return type(module).forward(module, x)
         if form == _hosts.FUSED:
             # The halves share one buffer: backward writes fresh gradients (never over an aliased pair).
             gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
-            in_place = False
-        else:
-            gate_proj, up_proj = module.gate_proj, module.up_proj
-            gate, up = gate_proj(x), up_proj(x)
-            # Outputs of plain nn.Linear calls are fresh tensors nobody else keeps: backward may write over them.
-            # Asked only where a backward will run (decoding records nothing and skips the two checks).
+            return module.down_proj(_gated.gated_apply(gate, up, activation, 1.0, 1.0, False, own_buffers=True))
+        gate_proj, up_proj, down_proj = module.gate_proj, module.up_proj, module.down_proj
+        # Where each projection's call is exactly F.linear with its parameters (an eager call, no hook, nn.Linear
+        # itself: _hosts.linear_operands), F.linear runs directly: the same ops without three module calls'
+        # host work (a decoding model makes them once per layer and token). Traced and compiled calls keep the
+        # module calls, which record the modules.
+        direct = not (hooked_globally or torch.compiler.is_compiling() or _backend.exporting())
+        gate_operands = direct and _hosts.linear_operands(gate_proj)
+        up_operands = gate_operands and _hosts.linear_operands(up_proj)
+        down_operands = up_operands and _hosts.linear_operands(down_proj)
+        if down_operands:
+            gate, up = F.linear(x, *gate_operands), F.linear(x, *up_operands)
+            # Outputs of F.linear are fresh tensors nobody else keeps: backward may write over them. Asked only
+            # where a backward will run (decoding records nothing).
             in_place = (
                 (gate.requires_grad or up.requires_grad)
                 and torch.is_grad_enabled()
-                and _hosts.is_plain_linear(gate_proj)
-                and _hosts.is_plain_linear(up_proj)
+                and not (gate_operands[0].is_meta or up_operands[0].is_meta)
             )
-        return module.down_proj(_gated.gated_apply(gate, up, activation, 1.0, 1.0, in_place, own_buffers=True))
+            hidden = _gated.gated_apply_eager(gate, up, activation, 1.0, 1.0, in_place, own_buffers=True)
+            return F.linear(hidden, *down_operands)
+        gate, up = gate_proj(x), up_proj(x)
+        # Outputs of plain nn.Linear calls are fresh tensors nobody else keeps, as above.
+        in_place = (
+            (gate.requires_grad or up.requires_grad)
+            and torch.is_grad_enabled()
+            and _hosts.is_plain_linear(gate_proj)
+            and _hosts.is_plain_linear(up_proj)
+        )
+        return down_proj(_gated.gated_apply(gate, up, activation, 1.0, 1.0, in_place, own_buffers=True))
 
     def tiled_fast_path(self, module: nn.Module) -> GatedActivation | None:
         """The activation, when the tiled MLP may compute this math from the projections' weights directly:

@@ -37,8 +37,26 @@ def _check_linear_host(module: nn.Module) -> None:
 def tiled(fn, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``fn(module, x)`` through the tiled MLP; host attributes override the automatic choices: ``num_shards``
     (the shard count) and ``tile`` (True: always tile; False: never)."""
-    tile = getattr(module, "tile", None)
-    return apply_tiled_mlp(fn, module, x, num_shards=getattr(module, "num_shards", None), tile=tile)
+    tile, num_shards = _host_setting(module, "tile"), _host_setting(module, "num_shards")
+    return apply_tiled_mlp(fn, module, x, num_shards=num_shards, tile=tile)
+
+
+def _host_setting(module: nn.Module, name: str):
+    """``getattr(module, name, None)``, without raising and catching ``nn.Module.__getattr__``'s AttributeError
+    where the name is nowhere (the common case, on every call of a tiled layer): an instance attribute is read
+    directly; a class attribute, a registered tensor or module, or a class's own attribute lookup through
+    getattr."""
+    cls = type(module)
+    if cls.__getattribute__ is not object.__getattribute__ or cls.__getattr__ is not nn.Module.__getattr__:
+        return getattr(module, name, None)
+    if hasattr(cls, name):  # (a data descriptor would come before the instance's dict)
+        return getattr(module, name, None)
+    instance = module.__dict__
+    if name in instance:
+        return instance[name]
+    if name in module._parameters or name in module._buffers or name in module._modules:
+        return getattr(module, name, None)
+    return None
 
 
 class LigerSwiGLUMLP(nn.Module):

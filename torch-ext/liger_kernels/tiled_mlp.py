@@ -66,7 +66,26 @@ def apply_tiled_mlp(
         raise TypeError(f"{OP}: `tile` must be None (automatic), True or False (a Python bool), got {tile!r}")
     if tile is False or _backend.exporting():
         return fn(mlp_module, x)
+    if not torch.compiler.is_compiling():
+        # In eager mode a short call skips the compiler boundary below (its wrapper costs the host more than
+        # the check) and makes the plain call, exactly as _apply_tiled would.
+        one_shard = _one_shard(x, intermediate_size(mlp_module), requested, tile)
+        if one_shard and _needs_no_checks(mlp_module, compute_params):
+            return fn(mlp_module, x)
     return _apply_tiled(fn, mlp_module, x, requested, compute_params, tile)
+
+
+def _one_shard(x, intermediate, requested, tile) -> bool:
+    """The automatic shard count is 1."""
+    return tile is None and requested is None and _tiling.auto_num_shards(x, intermediate) <= 1
+
+
+def _needs_no_checks(mlp_module, compute_params) -> bool:
+    """With one automatic shard, whether every branch of _apply_tiled would make the plain call: no engine
+    gathers the parameters (its layouts may tile, or agree on a count across ranks). For a module's own
+    parameters this is asked before the module's structure is walked (the short sequences of a training step
+    meet it on every layer)."""
+    return compute_params is None and not _tiling.has_engine_parameters(mlp_module)
 
 
 # torch.compile must not trace the tiled call: a compiled forward would draw dropout masks from the
@@ -75,12 +94,8 @@ def apply_tiled_mlp(
 @torch.compiler.disable
 def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
     intermediate = intermediate_size(mlp_module)
-    # One automatic shard, where no engine gathers parameters (whose layouts may tile or agree on a count
-    # across ranks): every branch below would make the plain call, so make it without the checks. For a
-    # module's own parameters this is asked before the module's structure is walked (the short sequences of a
-    # training step meet it on every layer).
-    one_shard = tile is None and requested is None and _tiling.auto_num_shards(x, intermediate) <= 1
-    if one_shard and compute_params is None and not _tiling.has_engine_parameters(mlp_module):
+    one_shard = _one_shard(x, intermediate, requested, tile)
+    if one_shard and _needs_no_checks(mlp_module, compute_params):
         return fn(mlp_module, x)
     found = _tiling.structure(mlp_module)
     params = trainable_params(mlp_module, compute_params, found)
