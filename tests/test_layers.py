@@ -152,10 +152,22 @@ def _call_the_projections_exactly_as_modules(host, case, monkeypatch):
     elif case == "forward on the instance":  # accelerate's offload hooks
         up = host.up_proj
         up.forward = lambda x: F.linear(x, up.weight * 2, up.bias)
+    elif case == "pre-hook on gate_proj":
+        host.gate_proj.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    elif case == "_call_impl on the instance":  # a wrapper of one module's call (Module.__call__ looks it up there)
+        inner = host.up_proj._call_impl
+        host.up_proj._call_impl = lambda *args, **kwargs: inner(*args, **kwargs) * 0.5
     elif case == "weight on the instance":  # FSDP1's unsharded views
         weight = host.gate_proj.weight.detach() * 0.5
         del host.gate_proj.weight
         host.gate_proj.weight = weight
+    elif case == "weight shadowing the parameter":  # in the instance's dict beside _parameters
+        host.gate_proj.weight.requires_grad_(False)  # (the shadow holds no graph to differentiate twice)
+        object.__setattr__(host.gate_proj, "weight", host.gate_proj.weight.detach() * 0.5)
+    elif case == "weight as a buffer":
+        weight = host.gate_proj.weight.detach() * 0.5
+        del host.gate_proj.weight
+        host.gate_proj.register_buffer("weight", weight)
     elif case == "Linear subclass":
         host.down_proj.__class__ = type(
             "Shifted", (torch.nn.Linear,), {"forward": lambda self, x: x @ self.weight.T + self.bias + 1}
@@ -165,6 +177,9 @@ def _call_the_projections_exactly_as_modules(host, case, monkeypatch):
     elif case == "nn.Module.__call__ patched":  # a profiler's wrapper
         call = torch.nn.Module.__call__
         monkeypatch.setattr(torch.nn.Linear, "__call__", lambda self, *args: call(self, *args) * 3)
+    elif case == "nn.Module._call_impl patched":
+        call_impl = torch.nn.Module._call_impl
+        monkeypatch.setattr(torch.nn.Linear, "_call_impl", lambda self, *args, **kw: call_impl(self, *args, **kw) * 3)
     return None
 
 
@@ -172,20 +187,40 @@ DIRECT_CASES = [
     "plain",
     "hook on down_proj",
     "global hook",
+    "pre-hook on gate_proj",
     "compiled up_proj",
+    "_call_impl on the instance",
     "forward on the instance",
     "weight on the instance",
+    "weight shadowing the parameter",
+    "weight as a buffer",
     "Linear subclass",
     "nn.Linear.forward patched",
     "nn.Module.__call__ patched",
+    "nn.Module._call_impl patched",
 ]
+
+
+def test_a_patch_of_nn_linear_made_before_the_import_is_seen(lk):
+    """The direct path compares nn.Linear's forward and Module's call with the functions this import found;
+    a patch made before it, even one that copies the original's names with functools.wraps, must not pass for
+    torch's own."""
+    import functools
+
+    torch_module = torch.nn.modules.linear
+    assert lk._hosts._torchs_own(torch.nn.Linear.forward, torch_module)
+    wrapped = functools.wraps(torch.nn.Linear.forward)(lambda self, x: torch.nn.Linear.forward(self, x) * 2)
+    assert wrapped.__module__ == torch.nn.Linear.forward.__module__  # what a check of the names would accept
+    assert not lk._hosts._torchs_own(wrapped, torch_module)
+    assert not lk._hosts._torchs_own(lambda self, x: None, torch_module)
 
 
 @pytest.mark.parametrize("case", DIRECT_CASES)
 def test_layer_calls_f_linear_directly_only_where_the_module_call_is_exactly_that(lk, case, monkeypatch):
     """The untiled layer runs F.linear on the projections' parameters instead of calling the modules only
     where each call is exactly that (``_hosts.linear_operands``): a hook, a compiled module, an instance's own
-    forward or weight, a subclass, or a patched nn.Linear keeps the module calls. Each case changes what its
+    call, forward or weight, a weight that is no parameter, a subclass, or a patched nn.Linear keeps the module
+    calls. Each case changes what its
     projection computes, so a wrongly taken direct path gives another result than the host's own forward."""
     torch.manual_seed(0)
     host = llama_mlp(bias=True).double()
@@ -474,16 +509,33 @@ class HostWithSettingsOfItsOwn(LlamaMLP):
     def tile(self):  # a property (a data descriptor: it comes before the instance's dict)
         return True
 
+
+class HostWithItsOwnLookup(LlamaMLP):
     def __getattr__(self, name):  # a lookup of its own
-        return 4 if name == "chunks" else super().__getattr__(name)
+        return 4 if name == "num_shards" else super().__getattr__(name)
 
 
-@pytest.mark.parametrize("name", ["tile", "num_shards", "chunks", "missing", "gate_proj", "scale", "extra"])
+@pytest.mark.parametrize("name", ["tile", "num_shards", "missing", "gate_proj", "scale", "extra"])
 def test_tiled_layers_read_host_settings_as_getattr_does(lk, name):
-    host = HostWithSettingsOfItsOwn(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE))
-    host.register_buffer("scale", torch.ones(1))
-    host.extra = 5
-    plain = llama_mlp()
-    plain.extra = 7
-    for module in (host, plain):
-        assert lk.layers._host_setting(module, name) is getattr(module, name, None)
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE)
+    hosts = [HostWithSettingsOfItsOwn(config), HostWithItsOwnLookup(config), llama_mlp()]
+    for i, host in enumerate(hosts):
+        host.register_buffer("scale", torch.ones(1))
+        host.extra = 5 + i
+        assert lk.layers._host_setting(host, name) is getattr(host, name, None)
+
+
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+def test_layer_tangents_under_forward_ad(lk, grad_mode, backend_name):
+    """Inside a forward-AD dual level the layer's direct path still runs the differentiable form of the gated
+    op: the tangent of the output equals the host's own, with and without grad mode."""
+    torch.manual_seed(0)
+    host = llama_mlp(bias=True)
+    x, tangent = torch.randn(2, 5, HIDDEN), torch.randn(2, 5, HIDDEN)
+    forward_ad = torch.autograd.forward_ad
+    with torch.set_grad_enabled(grad_mode), forward_ad.dual_level():
+        want = forward_ad.unpack_dual(host(forward_ad.make_dual(x, tangent))).tangent
+        layer = bind(lk.LigerSwiGLUMLP, host)
+        got = forward_ad.unpack_dual(layer(forward_ad.make_dual(x, tangent))).tangent
+    assert got is not None, "the tangent was dropped"
+    assert rel_err(got, want) < 1e-5

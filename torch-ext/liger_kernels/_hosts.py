@@ -203,10 +203,17 @@ def _hooks_anywhere(module: nn.Module, ignore=None) -> bool:
     return any(not (ignore and ignore(hook)) for table in own for hook in table.values()) or global_hooks()
 
 
-# torch's own nn.Linear forward and module call (a library that patched either before this import is refused).
-_LINEAR_FORWARD = nn.Linear.forward if nn.Linear.forward.__module__ == "torch.nn.modules.linear" else None
+def _torchs_own(function, module) -> bool:
+    """Whether ``function`` is defined in torch's ``module`` itself: a patch made before this import, even one
+    that copies the original's names with ``functools.wraps``, has its code elsewhere."""
+    code = getattr(function, "__code__", None)
+    return code is not None and code.co_filename == module.__file__ and not hasattr(function, "__wrapped__")
+
+
+# torch's own nn.Linear forward and module call, as this import found them (None: patched already, never direct).
+_LINEAR_FORWARD = nn.Linear.forward if _torchs_own(nn.Linear.forward, torch.nn.modules.linear) else None
 _MODULE_CALL = (nn.Module.__call__, nn.Module._call_impl)
-if any(f.__module__ != "torch.nn.modules.module" for f in _MODULE_CALL):
+if not all(_torchs_own(f, torch.nn.modules.module) for f in _MODULE_CALL):
     _MODULE_CALL = None
 
 
@@ -216,8 +223,9 @@ def linear_operands(module):
     hook is registered, it is not compiled (``Module.compile``) and no jit trace records it; torch's
     ``nn.Linear.forward`` is ``F.linear(input, self.weight, self.bias)``, and ``self.weight`` is the entry of
     ``_parameters`` when the instance holds no attribute of that name (FSDP1 sets plain tensors there,
-    accelerate's offload sets a forward). The caller checks the global hooks and that the call is eager; this
-    checks the rest."""
+    accelerate's offload sets a forward, and a wrapper of the call may set ``_call_impl``, which
+    ``Module.__call__`` looks up on the instance). The caller checks the global hooks and that the call is
+    eager; this checks the rest."""
     if (
         type(module) is not nn.Linear
         or nn.Linear.forward is not _LINEAR_FORWARD  # patched since
@@ -232,7 +240,7 @@ def linear_operands(module):
     ):
         return None
     instance, parameters = module.__dict__, module._parameters
-    if "forward" in instance or "weight" in instance or "bias" in instance:
+    if "forward" in instance or "_call_impl" in instance or "weight" in instance or "bias" in instance:
         return None
     if "weight" not in parameters or "bias" not in parameters:  # registered as buffers: left to getattr's order
         return None

@@ -21,12 +21,13 @@ The gradient of row ``i`` with respect to ``s_j``, with ``a`` the scale of the c
 times ``1 - tanh^2(x_j / c)`` for the softcap. The target term is folded in fp32 before the one rounding, so
 ``p_y - 1`` near 0 loses nothing to the output dtype.
 
-Two Triton kernels, one program per row, loop over the vocabulary in blocks: ``_ce_stats_kernel`` (online
-logsumexp, the loss rows, the argmax) and ``_ce_grad_kernel`` (the gradient, given lse). The gradient may be
-written over the logits it reads (each program reads its row's target logit before writing any of it).
+One Triton kernel, ``_ce_rows_kernel``, one program per row, loops over the vocabulary in blocks: the row's
+statistics (online logsumexp, the loss terms, the argmax), its gradient (from that lse or one stored before),
+or both in one launch (the fused loss's chunks). The gradient may be written over the logits it reads (each
+program reads its row's target logit before writing any of it, and each block before writing it).
 
-This module is over 300 lines because the two kernels, their PyTorch twins (the CPU path and the references
-the option semantics are defined by) and the ops around them change together.
+This module is over 300 lines because the kernel, its PyTorch twins (the CPU path and the references the
+option semantics are defined by) and the ops around them change together.
 """
 
 import math
@@ -148,227 +149,7 @@ def _capped(x, softcap, SOFTCAP: constexpr):
 
 
 @jit
-def _row_stats(
-    row_ptr,
-    row,
-    y,
-    in_range,
-    y_safe,
-    ce_weight_ptr,
-    weight_total_ptr,
-    lse_ptr,
-    ce_ptr,
-    z_ptr,
-    pred_ptr,
-    n_cols,
-    lse_square_scale,
-    label_smoothing,
-    softcap,
-    HAS_CE_WEIGHT: constexpr,
-    SOFTCAP: constexpr,
-    SMOOTHING: constexpr,
-    TOKEN_SCALING: constexpr,
-    STORE_PRED: constexpr,
-    BLOCK: constexpr,
-    N_BLOCKS: constexpr,
-):
-    """A kept row's lse, loss terms and prediction, stored; returns the lse."""
-    s_y = _capped(tl.load(row_ptr + y_safe).to(tl.float32), softcap, SOFTCAP)
-    m = float("-inf")  # running max of s
-    d = 0.0  # running sum of exp(s - m)
-    spread = 0.0  # sum_j w_j (s_j - s_y), for the smoothing term
-    best = float("-inf")  # argmax of the raw logits (the softcap is monotone, and saturates in fp32)
-    best_col = 0
-    for block in range(N_BLOCKS):
-        start = block * BLOCK
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        if STORE_PRED:
-            block_best = tl.max(x, axis=0)
-            block_col = start + tl.argmax(x, axis=0, tie_break_left=True)
-            best_col = tl.where(block_best > best, block_col, best_col)
-            best = tl.maximum(best, block_best)
-        s = tl.where(mask, _capped(x, softcap, SOFTCAP), float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        d = d * tl.exp2((m - m_new) * _LOG2E) + tl.sum(tl.exp2((s - m_new) * _LOG2E), axis=0)
-        m = m_new
-        if SMOOTHING:
-            centered = tl.where(mask, s - s_y, 0.0)
-            if HAS_CE_WEIGHT:
-                w = tl.load(ce_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                centered = centered * w
-            spread += tl.sum(centered, axis=0)
-    lse = m + tl.log(d)
-    nll = lse - s_y
-    if HAS_CE_WEIGHT:
-        w_y = tl.load(ce_weight_ptr + y_safe).to(tl.float32)
-        weight_total = tl.load(weight_total_ptr).to(tl.float32)
-    else:
-        w_y = 1.0
-        weight_total = n_cols * 1.0  # (not .to: Triton passes n_cols = 1 as a constexpr)
-    ce = w_y * nll
-    if SMOOTHING:
-        # sum_j w_j (lse - s_j) = W (lse - s_y) - sum_j w_j (s_j - s_y): centred on s_y, no large cancellation
-        ce = (1.0 - label_smoothing) * ce + (label_smoothing / n_cols) * (weight_total * nll - spread)
-    z = lse_square_scale * lse * lse
-    if TOKEN_SCALING:
-        p_y = tl.exp2((s_y - lse) * _LOG2E)
-        ce = ce * p_y
-        z = z * p_y
-    ce = tl.where(in_range, ce, float("nan"))
-    tl.store(lse_ptr + row, lse)
-    tl.store(ce_ptr + row, ce)
-    tl.store(z_ptr + row, z)
-    if STORE_PRED:
-        tl.store(pred_ptr + row, best_col.to(tl.int64))
-    return lse
-
-
-@jit
-def _ignored_row_stats(row, lse_ptr, ce_ptr, z_ptr, pred_ptr, STORE_PRED: constexpr):
-    tl.store(lse_ptr + row, 0.0)
-    tl.store(ce_ptr + row, 0.0)
-    tl.store(z_ptr + row, 0.0)
-    if STORE_PRED:
-        tl.store(pred_ptr + row, -1)
-
-
-@jit
-def _row_grad(
-    row_ptr,
-    grad_row_ptr,
-    row,
-    y_safe,
-    in_range,
-    ce_weight_ptr,
-    weight_total_ptr,
-    lse,
-    ce_scale_ptr,
-    ce_scale_stride,
-    z_scale_ptr,
-    z_scale_stride,
-    n_cols,
-    lse_square_scale,
-    label_smoothing,
-    softcap,
-    HAS_CE_WEIGHT: constexpr,
-    SOFTCAP: constexpr,
-    SMOOTHING: constexpr,
-    Z_LOSS: constexpr,
-    TOKEN_SCALING: constexpr,
-    BLOCK: constexpr,
-    N_BLOCKS: constexpr,
-):
-    """A kept row's gradient of ``a * ce + b * z`` (a, b: its scales) for the row's ``lse``, stored."""
-    a = tl.load(ce_scale_ptr + row * ce_scale_stride).to(tl.float32)
-    b = tl.load(z_scale_ptr + row * z_scale_stride).to(tl.float32)
-    if TOKEN_SCALING:
-        s_y = _capped(tl.load(row_ptr + y_safe).to(tl.float32), softcap, SOFTCAP)
-        p_y = tl.exp2((s_y - lse) * _LOG2E)
-        a = a * p_y
-        b = b * p_y
-    if HAS_CE_WEIGHT:
-        w_y = tl.load(ce_weight_ptr + y_safe).to(tl.float32)
-        weight_total = tl.load(weight_total_ptr).to(tl.float32)
-    else:
-        w_y = 1.0
-        weight_total = n_cols * 1.0  # (not .to: Triton passes n_cols = 1 as a constexpr)
-    eps = label_smoothing / n_cols
-    coef_w = (1.0 - label_smoothing) * w_y
-    if SMOOTHING:  # (without: no 0 * W, NaN for an infinite class weight that no kept target has)
-        coef_w += eps * weight_total
-    coef_p = a * coef_w
-    if Z_LOSS:
-        coef_p += b * 2.0 * lse_square_scale * lse
-    target_term = a * (1.0 - label_smoothing) * w_y
-    poison = tl.where(in_range, 0.0, float("nan"))
-    for block in range(N_BLOCKS):
-        start = block * BLOCK
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        s = _capped(x, softcap, SOFTCAP)
-        g = coef_p * tl.exp2((s - lse) * _LOG2E)
-        if SMOOTHING:
-            if HAS_CE_WEIGHT:
-                w = tl.load(ce_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                g -= a * eps * w
-            else:
-                g -= a * eps
-        g = tl.where(cols == y_safe, g - target_term, g)
-        if SOFTCAP:
-            t = s / softcap
-            g = g * (1.0 - t * t)
-        tl.store(grad_row_ptr + cols, (g + poison).to(grad_row_ptr.dtype.element_ty), mask=mask)
-
-
-@jit
-def _zero_row(grad_row_ptr, n_cols, BLOCK: constexpr, N_BLOCKS: constexpr):
-    for block in range(N_BLOCKS):
-        cols = block * BLOCK + tl.arange(0, BLOCK)
-        tl.store(grad_row_ptr + cols, tl.zeros((BLOCK,), tl.float32), mask=cols < n_cols)
-
-
-@jit
-def _ce_stats_kernel(
-    logits_ptr,
-    logits_row_stride,
-    target_ptr,
-    ce_weight_ptr,
-    weight_total_ptr,
-    lse_ptr,
-    ce_ptr,
-    z_ptr,
-    pred_ptr,
-    n_cols,
-    ignore_index,
-    lse_square_scale,
-    label_smoothing,
-    softcap,
-    HAS_CE_WEIGHT: constexpr,
-    SOFTCAP: constexpr,
-    SMOOTHING: constexpr,
-    TOKEN_SCALING: constexpr,
-    STORE_PRED: constexpr,
-    BLOCK: constexpr,
-    N_BLOCKS: constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    y = tl.load(target_ptr + row).to(tl.int64)
-    if y == ignore_index:
-        _ignored_row_stats(row, lse_ptr, ce_ptr, z_ptr, pred_ptr, STORE_PRED)
-    else:
-        in_range = (y >= 0) & (y < n_cols)
-        y_safe = tl.where(in_range, y, 0)
-        _row_stats(
-            logits_ptr + row * logits_row_stride,
-            row,
-            y,
-            in_range,
-            y_safe,
-            ce_weight_ptr,
-            weight_total_ptr,
-            lse_ptr,
-            ce_ptr,
-            z_ptr,
-            pred_ptr,
-            n_cols,
-            lse_square_scale,
-            label_smoothing,
-            softcap,
-            HAS_CE_WEIGHT,
-            SOFTCAP,
-            SMOOTHING,
-            TOKEN_SCALING,
-            STORE_PRED,
-            BLOCK,
-            N_BLOCKS,
-        )
-
-
-@jit
-def _ce_grad_kernel(
+def _ce_rows_kernel(
     logits_ptr,
     logits_row_stride,
     grad_ptr,
@@ -377,65 +158,6 @@ def _ce_grad_kernel(
     ce_weight_ptr,
     weight_total_ptr,
     lse_ptr,
-    ce_scale_ptr,
-    ce_scale_stride,
-    z_scale_ptr,
-    z_scale_stride,
-    n_cols,
-    ignore_index,
-    lse_square_scale,
-    label_smoothing,
-    softcap,
-    HAS_CE_WEIGHT: constexpr,
-    SOFTCAP: constexpr,
-    SMOOTHING: constexpr,
-    Z_LOSS: constexpr,
-    TOKEN_SCALING: constexpr,
-    BLOCK: constexpr,
-    N_BLOCKS: constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    y = tl.load(target_ptr + row).to(tl.int64)
-    grad_row_ptr = grad_ptr + row * grad_row_stride
-    if y == ignore_index:
-        _zero_row(grad_row_ptr, n_cols, BLOCK, N_BLOCKS)
-    else:
-        in_range = (y >= 0) & (y < n_cols)
-        _row_grad(
-            logits_ptr + row * logits_row_stride,
-            grad_row_ptr,
-            row,
-            tl.where(in_range, y, 0),
-            in_range,
-            ce_weight_ptr,
-            weight_total_ptr,
-            tl.load(lse_ptr + row),
-            ce_scale_ptr,
-            ce_scale_stride,
-            z_scale_ptr,
-            z_scale_stride,
-            n_cols,
-            lse_square_scale,
-            label_smoothing,
-            softcap,
-            HAS_CE_WEIGHT,
-            SOFTCAP,
-            SMOOTHING,
-            Z_LOSS,
-            TOKEN_SCALING,
-            BLOCK,
-            N_BLOCKS,
-        )
-
-
-@jit
-def _ce_stats_grad_kernel(
-    logits_ptr,
-    logits_row_stride,
-    target_ptr,
-    ce_weight_ptr,
-    weight_total_ptr,
-    lse_ptr,
     ce_ptr,
     z_ptr,
     pred_ptr,
@@ -454,100 +176,119 @@ def _ce_stats_grad_kernel(
     Z_LOSS: constexpr,
     TOKEN_SCALING: constexpr,
     STORE_PRED: constexpr,
+    STATS: constexpr,
+    GRAD: constexpr,
     BLOCK: constexpr,
     N_BLOCKS: constexpr,
 ):
-    """The two kernels above in one launch, the gradient written over the logits (the fused loss's chunk):
-    the row's program reads its logits for the statistics, then reads each block again before writing its
-    gradient there."""
+    """One row per program. STATS: the row's lse, loss terms and prediction, stored. GRAD: the gradient of
+    ``a * ce + b * z`` (a, b: the row's scales), stored in ``grad`` from the lse just computed, or (without
+    STATS) from the one stored before. ``grad`` may be the logits themselves (the fused loss's chunk): the
+    second loop reads each block before writing its gradient there."""
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(target_ptr + row).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
+    grad_row_ptr = grad_ptr + row * grad_row_stride
     if y == ignore_index:
-        _ignored_row_stats(row, lse_ptr, ce_ptr, z_ptr, pred_ptr, STORE_PRED)
-        _zero_row(row_ptr, n_cols, BLOCK, N_BLOCKS)
+        if STATS:
+            tl.store(lse_ptr + row, 0.0)
+            tl.store(ce_ptr + row, 0.0)
+            tl.store(z_ptr + row, 0.0)
+            if STORE_PRED:
+                tl.store(pred_ptr + row, -1)
+        if GRAD:
+            for block in range(N_BLOCKS):
+                cols = block * BLOCK + tl.arange(0, BLOCK)
+                tl.store(grad_row_ptr + cols, tl.zeros((BLOCK,), tl.float32), mask=cols < n_cols)
     else:
         in_range = (y >= 0) & (y < n_cols)
         y_safe = tl.where(in_range, y, 0)
-        lse = _row_stats(
-            row_ptr,
-            row,
-            y,
-            in_range,
-            y_safe,
-            ce_weight_ptr,
-            weight_total_ptr,
-            lse_ptr,
-            ce_ptr,
-            z_ptr,
-            pred_ptr,
-            n_cols,
-            lse_square_scale,
-            label_smoothing,
-            softcap,
-            HAS_CE_WEIGHT,
-            SOFTCAP,
-            SMOOTHING,
-            TOKEN_SCALING,
-            STORE_PRED,
-            BLOCK,
-            N_BLOCKS,
-        )
-        _row_grad(
-            row_ptr,
-            row_ptr,
-            row,
-            y_safe,
-            in_range,
-            ce_weight_ptr,
-            weight_total_ptr,
-            lse,
-            ce_scale_ptr,
-            ce_scale_stride,
-            z_scale_ptr,
-            z_scale_stride,
-            n_cols,
-            lse_square_scale,
-            label_smoothing,
-            softcap,
-            HAS_CE_WEIGHT,
-            SOFTCAP,
-            SMOOTHING,
-            Z_LOSS,
-            TOKEN_SCALING,
-            BLOCK,
-            N_BLOCKS,
-        )
-
-
-def _stats_and_grad_triton(logits, target, ce_weight, weight_total, opts: Options, lse, ce, z, pred, ce_scale, z_scale):
-    n_rows, n_cols = logits.shape
-    if n_rows == 0:
-        return
-    weights, scalars, flags = _option_arguments(opts, ce_weight, weight_total, lse)
-    scales = (ce_scale, _row_stride(ce_scale), z_scale, _row_stride(z_scale))
-    launch(
-        _ce_stats_grad_kernel,
-        (n_rows,),
-        (
-            logits,
-            logits.stride(0),
-            target,
-            *weights,
-            lse,
-            ce,
-            z,
-            lse if pred is None else pred,
-            *scales,
-            n_cols,
-            *scalars,
-        ),
-        **flags,
-        Z_LOSS=opts.lse_square_scale != 0.0,
-        STORE_PRED=pred is not None,
-        **_blocks(n_cols),
-        num_warps=NUM_WARPS,
-    )
+        s_y = _capped(tl.load(row_ptr + y_safe).to(tl.float32), softcap, SOFTCAP)
+        if HAS_CE_WEIGHT:
+            w_y = tl.load(ce_weight_ptr + y_safe).to(tl.float32)
+            weight_total = tl.load(weight_total_ptr).to(tl.float32)
+        else:
+            w_y = 1.0
+            weight_total = n_cols * 1.0  # (not .to: Triton passes n_cols = 1 as a constexpr)
+        if STATS:
+            m = float("-inf")  # running max of s
+            d = 0.0  # running sum of exp(s - m)
+            spread = 0.0  # sum_j w_j (s_j - s_y), for the smoothing term
+            best = float("-inf")  # argmax of the raw logits (the softcap is monotone, and saturates in fp32)
+            best_col = 0
+            for block in range(N_BLOCKS):
+                start = block * BLOCK
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                if STORE_PRED:
+                    block_best = tl.max(x, axis=0)
+                    block_col = start + tl.argmax(x, axis=0, tie_break_left=True)
+                    best_col = tl.where(block_best > best, block_col, best_col)
+                    best = tl.maximum(best, block_best)
+                s = tl.where(mask, _capped(x, softcap, SOFTCAP), float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=0))
+                d = d * tl.exp2((m - m_new) * _LOG2E) + tl.sum(tl.exp2((s - m_new) * _LOG2E), axis=0)
+                m = m_new
+                if SMOOTHING:
+                    centered = tl.where(mask, s - s_y, 0.0)
+                    if HAS_CE_WEIGHT:
+                        w = tl.load(ce_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                        centered = centered * w
+                    spread += tl.sum(centered, axis=0)
+            lse = m + tl.log(d)
+            nll = lse - s_y
+            ce = w_y * nll
+            if SMOOTHING:
+                # sum_j w_j (lse - s_j) = W (lse - s_y) - sum_j w_j (s_j - s_y): centred on s_y, no large cancellation
+                ce = (1.0 - label_smoothing) * ce + (label_smoothing / n_cols) * (weight_total * nll - spread)
+            z = lse_square_scale * lse * lse
+            if TOKEN_SCALING:
+                p_y = tl.exp2((s_y - lse) * _LOG2E)
+                ce = ce * p_y
+                z = z * p_y
+            ce = tl.where(in_range, ce, float("nan"))
+            tl.store(lse_ptr + row, lse)
+            tl.store(ce_ptr + row, ce)
+            tl.store(z_ptr + row, z)
+            if STORE_PRED:
+                tl.store(pred_ptr + row, best_col.to(tl.int64))
+        else:
+            lse = tl.load(lse_ptr + row)
+        if GRAD:
+            a = tl.load(ce_scale_ptr + row * ce_scale_stride).to(tl.float32)
+            b = tl.load(z_scale_ptr + row * z_scale_stride).to(tl.float32)
+            if TOKEN_SCALING:
+                p_y = tl.exp2((s_y - lse) * _LOG2E)
+                a = a * p_y
+                b = b * p_y
+            eps = label_smoothing / n_cols
+            coef_w = (1.0 - label_smoothing) * w_y
+            if SMOOTHING:  # (without: no 0 * W, NaN for an infinite class weight that no kept target has)
+                coef_w += eps * weight_total
+            coef_p = a * coef_w
+            if Z_LOSS:
+                coef_p += b * 2.0 * lse_square_scale * lse
+            target_term = a * (1.0 - label_smoothing) * w_y
+            poison = tl.where(in_range, 0.0, float("nan"))
+            for block in range(N_BLOCKS):
+                start = block * BLOCK
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                s = _capped(x, softcap, SOFTCAP)
+                g = coef_p * tl.exp2((s - lse) * _LOG2E)
+                if SMOOTHING:
+                    if HAS_CE_WEIGHT:
+                        w = tl.load(ce_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                        g -= a * eps * w
+                    else:
+                        g -= a * eps
+                g = tl.where(cols == y_safe, g - target_term, g)
+                if SOFTCAP:
+                    t = s / softcap
+                    g = g * (1.0 - t * t)
+                tl.store(grad_row_ptr + cols, (g + poison).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_stride(scale: torch.Tensor) -> int:
@@ -575,38 +316,37 @@ def _option_arguments(opts: Options, ce_weight, weight_total, dummy):
     return weights, scalars, flags
 
 
-def _stats_triton(logits, target, ce_weight, weight_total, opts: Options, lse, ce, z, pred):
+def _rows_triton(logits, target, ce_weight, weight_total, opts: Options, stats=None, grad=None, lse=None, scales=None):
+    """``_ce_rows_kernel`` over the rows of ``logits``: ``stats`` = (lse, ce, z, pred or None) to write them,
+    ``grad`` (may be ``logits``) with ``scales`` = (ce_scale, z_scale) to write the gradient, from ``lse`` when
+    ``stats`` is None. Absent tensors are stood in for by others, never dereferenced."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
+    if stats is None:
+        ce = z = pred = lse
+    else:
+        lse, ce, z, pred = stats
+    logits_stride, writes_grad = logits.stride(0), grad is not None
+    if not writes_grad:
+        grad, grad_stride, ce_scale, ce_stride, z_scale, z_stride = logits, 0, lse, 0, lse, 0
+    else:
+        (ce_scale, z_scale), grad_stride = scales, logits_stride if grad is logits else grad.stride(0)
+        ce_stride, z_stride = _row_stride(ce_scale), _row_stride(z_scale)
     weights, scalars, flags = _option_arguments(opts, ce_weight, weight_total, lse)
-    outputs = (lse, ce, z, lse if pred is None else pred)
     launch(
-        _ce_stats_kernel,
+        _ce_rows_kernel,
         (n_rows,),
-        (logits, logits.stride(0), target, *weights, *outputs, n_cols, *scalars),
-        **flags,
-        STORE_PRED=pred is not None,
-        **_blocks(n_cols),
-        num_warps=NUM_WARPS,
-    )
-
-
-def _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z_scale, opts: Options):
-    n_rows, n_cols = logits.shape
-    if n_rows == 0:
-        return
-    weights, scalars, flags = _option_arguments(opts, ce_weight, weight_total, lse)
-    scales = (ce_scale, _row_stride(ce_scale), z_scale, _row_stride(z_scale))
-    launch(
-        _ce_grad_kernel,
-        (n_rows,),
-        (logits, logits.stride(0), grad, grad.stride(0), target, *weights, lse, *scales, n_cols, *scalars),
+        (logits, logits_stride, grad, grad_stride, target, *weights, lse, ce, z, lse if pred is None else pred,
+         ce_scale, ce_stride, z_scale, z_stride, n_cols, *scalars),
         **flags,
         Z_LOSS=opts.lse_square_scale != 0.0,
+        STORE_PRED=stats is not None and pred is not None,
+        STATS=stats is not None,
+        GRAD=writes_grad,
         **_blocks(n_cols),
         num_warps=NUM_WARPS,
-    )
+    )  # fmt: skip
 
 
 # The reductions on the Triton path, each one program looping over the rows (the same sums on every run: no
@@ -913,7 +653,7 @@ def row_stats(logits, target, ce_weight, weight_total, opts: Options, want_pred:
             new((n_rows,), dtype=torch.int64, device=logits.device) if want_pred else None,
         )
     if use_triton(logits):
-        _stats_triton(logits, target, ce_weight, weight_total, opts, *out)
+        _rows_triton(logits, target, ce_weight, weight_total, opts, stats=out)
     else:
         for dst, src in zip(out, rows_torch(logits, target, ce_weight, opts, want_pred)):
             if dst is not None:
@@ -927,7 +667,7 @@ def row_grad(logits, target, ce_weight, weight_total, lse, ce_scale, z_scale, op
     if grad is None:
         grad = _backend.new_tensor(logits.shape, dtype=logits.dtype, device=logits.device)
     if use_triton(logits):
-        _grad_triton(logits, grad, target, ce_weight, weight_total, lse, ce_scale, z_scale, opts)
+        _rows_triton(logits, target, ce_weight, weight_total, opts, grad=grad, lse=lse, scales=(ce_scale, z_scale))
     else:
         result = grad_torch(logits, target, ce_weight, lse, ce_scale, z_scale, opts, out=grad)
         if result.data_ptr() != grad.data_ptr():
@@ -938,7 +678,7 @@ def row_grad(logits, target, ce_weight, weight_total, lse, ce_scale, z_scale, op
 def row_stats_and_grad(logits, target, ce_weight, weight_total, opts: Options, want_pred, ce_scale, z_scale, out):
     """``row_stats`` into ``out``, then the gradient written over ``logits``."""
     if use_triton(logits):
-        _stats_and_grad_triton(logits, target, ce_weight, weight_total, opts, *out, ce_scale, z_scale)
+        _rows_triton(logits, target, ce_weight, weight_total, opts, stats=out, grad=logits, scales=(ce_scale, z_scale))
     else:
         results = stats_and_grad_torch(logits, target, ce_weight, opts, want_pred, ce_scale, z_scale)
         for dst, src in zip(out, results):
