@@ -284,14 +284,14 @@ def has_engine_parameters(mlp_module) -> bool:
     if not isinstance(mlp_module, nn.Module):
         return True
     stack, seen = [mlp_module], set()
-    while stack:  # plain loops, no calls per parameter: this runs on every short call of a tiled layer
+    while stack:  # plain loops: this runs on every short call of a tiled layer
         module = stack.pop()
         key = id(module)
         if key in seen:
             continue
         seen.add(key)
         for p in module._parameters.values():
-            if hasattr(p, "ds_id"):  # _zero3.is_zero3, inlined (None has no ds_id either)
+            if p is not None and _zero3.is_zero3(p):
                 return True
         for child in module._modules.values():
             if child is not None:

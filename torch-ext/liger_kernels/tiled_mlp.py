@@ -72,6 +72,7 @@ def apply_tiled_mlp(
         one_shard = _one_shard(x, intermediate_size(mlp_module), requested, tile)
         if one_shard and _needs_no_checks(mlp_module, compute_params):
             return fn(mlp_module, x)
+        return _apply_tiled(fn, mlp_module, x, requested, compute_params, tile, asked=True)
     return _apply_tiled(fn, mlp_module, x, requested, compute_params, tile)
 
 
@@ -92,10 +93,11 @@ def _needs_no_checks(mlp_module, compute_params) -> bool:
 # compiler's random stream while the eager recompute replays the ordinary generator, and the gradients would
 # belong to other masks. The call is a graph break; what runs inside is the eager code, exact.
 @torch.compiler.disable
-def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile):
+def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile, asked=False):
+    """``asked``: the eager caller has found that the plain call's shortcut does not apply."""
     intermediate = intermediate_size(mlp_module)
     one_shard = _one_shard(x, intermediate, requested, tile)
-    if one_shard and _needs_no_checks(mlp_module, compute_params):
+    if not asked and one_shard and _needs_no_checks(mlp_module, compute_params):
         return fn(mlp_module, x)
     found = _tiling.structure(mlp_module)
     params = trainable_params(mlp_module, compute_params, found)
