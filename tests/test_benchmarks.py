@@ -400,3 +400,40 @@ def test_mlp_shapes_table_judges_the_targets(suite_module):
     assert "| 1.200× | ≤1.3× (met), ≤ fused (met) |" in text
     assert "| 1.300× | ≤1.25× (missed), ≤0.5 GiB (missed) |" in text
     assert "| 1.000× | ≤1.25× (met), < fused (missed) |" in text
+
+
+def test_implied_max_tokens_draws_the_line_through_the_two_longest(suite_module):
+    """Where the peak moves between lengths (the 32-layer model's does between 32k and 64k), only the longest
+    points follow the largest S's memory: the line goes through the last two, and says which."""
+    bench_model = suite_module("bench_model")
+    gib = bench_model.GIB
+    points = [(32768, 17 * gib), (65536, 23 * gib), (131072, 45 * gib)]
+    implied = bench_model.implied_max_tokens(points, 140 * gib, 15 * gib, 4096)
+    slope = 22 * gib / 65536
+    assert implied["points"] == [65536, 131072] and implied["kib_per_token"] == pytest.approx(slope / 1024)
+    assert implied["max_S"] == int((125 * gib - (23 * gib - slope * 65536)) / slope) // 4096 * 4096
+    one = bench_model.implied_max_tokens(points[:1], 140 * gib, 15 * gib, 4096)
+    assert one["points"] == [32768] and one["method"].startswith("one point")
+
+
+def test_bench_model_confirms_from_an_earlier_run(tmp_path):
+    """bench_model.py --quick --no-confirm runs the 32-layer phase's lengths without the step at the implied
+    largest S; --confirm-from then runs that step alone, at 97% of the earlier run's implied S (a CPU run has
+    no memory figures, so the test writes one in)."""
+    first, second = tmp_path / "lengths.json", tmp_path / "confirm.json"
+    command = [sys.executable, str(SUITE / "bench_model.py"), "--device", "cpu", "--quick"]
+    run = dict(check=False, capture_output=True, text=True, env=_plain_env(), cwd=ROOT, timeout=300)
+    done = subprocess.run([*command, "--only", "32layer", "--no-confirm", "--out", str(first)], **run)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    earlier = json.loads(first.read_text())
+    phase = earlier["32layer"]
+    assert "confirm" not in phase and "4layer" not in earlier
+    ran = {(r["variant"], r["S"]) for r in phase["rows"]}
+    assert {("ours", s) for s in (128, 256, 384)} <= ran
+    phase["implied"]["ours"] = {"method": "two points", "points": [256, 384], "max_S": 336}
+    first.write_text(json.dumps(earlier))
+    done = subprocess.run([*command, "--confirm-from", str(first), "--out", str(second)], **run)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    confirm = json.loads(second.read_text())["32layer"]
+    assert confirm["rows"] == [] and confirm["implied"]["ours"]["max_S"] == 336
+    assert [(r["variant"], r["S"], r["status"]) for r in confirm["confirm"]] == [("ours", 320, "ok")]

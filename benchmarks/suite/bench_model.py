@@ -22,11 +22,21 @@ before each step, so their size, ``grads_gib``, is inside the figure), ``tokens_
 - 4-layer model: S = 16384, 65536, 131072 for every variant ("oom" recorded), then the largest S that fits per
   variant (one step per try): doubling from the largest fit, then bisecting to a multiple of 4096; the
   cheapest pending try runs first, and none starts whose predicted time exceeds the budget left.
-- 32-layer model (the full Llama-3-8B): S = 32768, 65536; memory per token from the two points (one point:
-  an upper bound), the largest S it implies on this GPU's total memory, and one step of ``ours`` near it.
+- 32-layer model (the full Llama-3-8B): S = 32768, 65536, 131072; memory per token from the two longest
+  (one point: an upper bound), the largest S it implies on this GPU's total memory, and one step of ``ours``
+  near it. Two points are not enough where the peak moves between them: at 32k the peak is in the last
+  layer's backward (every layer's weight gradients, 15 GiB, held), from 64k on in the first layer's backward
+  (all 32 checkpoints held), which grows faster with S; a line through 32k and 64k predicts too little
+  memory per token. Steps predicted above 30 s run without a warm-up once the variant has run a shorter S.
+  The implied step takes minutes: ``--no-confirm`` leaves it out, ``--confirm-from RUN.json`` runs only it,
+  from that run's figures.
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \\
         python benchmarks/suite/bench_model.py --only 4layer --budget 420 --out model_4layer.json
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \\
+        python benchmarks/suite/bench_model.py --only 32layer --no-confirm --budget 560 --out model_32.json
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \\
+        python benchmarks/suite/bench_model.py --confirm-from model_32.json --budget 560 --out confirm_32.json
     python benchmarks/suite/bench_model.py --device cpu --quick     # CPU smoke test of every code path
 """
 
@@ -85,11 +95,11 @@ VARIANTS = ("ours", "ours_untiled", "peer", "peer_tiled", "vanilla")
 # out-of-memory simulated above a per-variant length so that the search and its recovery run too.
 FULL = {
     "4layer": {"layers": 4, "lengths": (16384, 65536, 131072), "start": 16384, "step": 4096, "cap": 1 << 20},
-    "32layer": {"layers": 32, "lengths": (32768, 65536), "step": 4096},
+    "32layer": {"layers": 32, "lengths": (32768, 65536, 131072), "step": 4096},
 }
 QUICK = {
     "4layer": {"layers": 2, "lengths": (64, 128, 256), "start": 64, "step": 16, "cap": 512},
-    "32layer": {"layers": 4, "lengths": (128, 256), "step": 16},
+    "32layer": {"layers": 4, "lengths": (128, 256, 384), "step": 16},
 }
 QUICK_OOM_ABOVE = {"vanilla": 200, "peer": 300, "peer_tiled": 400, "ours_untiled": 300}
 
@@ -283,14 +293,15 @@ def implied_max_tokens(points, total_bytes: int, base_bytes: int, step: int):
     if len(points) >= 2:
         (s1, m1), (s2, m2) = points[-2], points[-1]
         slope = (m2 - m1) / (s2 - s1)
-        intercept, method = m1 - slope * s1, "two points"
+        intercept, method, used = m1 - slope * s1, "two points", [s1, s2]
     else:
         (s1, m1) = points[0]
-        slope, intercept, method = m1 / s1, 0.0, "one point (upper bound on memory per token)"
+        slope, intercept, method, used = m1 / s1, 0.0, "one point (upper bound on memory per token)", [s1]
     if slope <= 0:
-        return {"method": method, "bytes_per_token": slope, "intercept_gib": intercept / GIB, "max_S": None}
+        return {"method": method, "points": used, "bytes_per_token": slope, "intercept_gib": intercept / GIB,
+                "max_S": None}  # fmt: skip
     tokens = (total_bytes - base_bytes - intercept) / slope
-    return {"method": method, "kib_per_token": slope / 1024, "intercept_gib": intercept / GIB,
+    return {"method": method, "points": used, "kib_per_token": slope / 1024, "intercept_gib": intercept / GIB,
             "max_S": int(tokens // step * step)}  # fmt: skip
 
 
@@ -389,18 +400,21 @@ class Bench:
         return row
 
     def timed(self, model, phase, variant, seq) -> dict:
-        """1 warm-up and 3 timed steps (fewer when a step is predicted long), if the budget allows."""
+        """1 warm-up and 3 timed steps (fewer when a step is predicted long), if the budget allows. A step
+        predicted above 30 s runs without a warm-up once this variant has run in this phase: its kernels are
+        compiled, and the step is long beside what a warm-up would take off it."""
         if (phase, variant) in self.broken:
             return self.attempt(model, phase, variant, seq, 0, 0)
         per_step = self.predict(phase, variant, seq)
         timed = 3 if per_step is None or per_step <= 4 else 2 if per_step <= 15 else 1
-        while per_step is not None and timed > 1 and (1 + timed) * per_step > self.left():
+        warmup = 0 if per_step is not None and per_step > 30 and (phase, variant) in self.times else 1
+        while per_step is not None and timed > 1 and (warmup + timed) * per_step > self.left():
             timed -= 1
-        if self.left() <= 0 or (per_step is not None and (1 + timed) * per_step > self.left()):
-            predicted = "?" if per_step is None else f"{(1 + timed) * per_step:.0f}"
+        if self.left() <= 0 or (per_step is not None and (warmup + timed) * per_step > self.left()):
+            predicted = "?" if per_step is None else f"{(warmup + timed) * per_step:.0f}"
             return {"model": phase, "variant": variant, "S": seq, "status": "skipped",
                     "error": f"budget: predicted {predicted} s, {self.left():.0f} s left"}  # fmt: skip
-        return self.attempt(model, phase, variant, seq, 1, timed)
+        return self.attempt(model, phase, variant, seq, warmup, timed)
 
     # --- phases --------------------------------------------------------------------------------------------
     def fixed_lengths(self, model, phase, lengths, variants) -> list[dict]:
@@ -480,16 +494,28 @@ def _model_info(model) -> dict:
             "grads_gib": params / GIB}  # fmt: skip
 
 
-def _phase(bench: Bench, name: str, spec: dict, dtype, variants) -> dict:
-    base = TINY if bench.quick else LLAMA3_8B
-    config = make_config(base, spec["layers"])
-    out = bench.result[name] = {"layers": spec["layers"], "lengths": list(spec["lengths"]), "rows": []}
+def _build(bench: Bench, name: str, spec: dict, dtype, lengths):
+    config = make_config(TINY if bench.quick else LLAMA3_8B, spec["layers"])
+    out = bench.result[name] = {"layers": spec["layers"], "lengths": list(lengths), "rows": []}
     model = build_model(config, dtype, bench.device)
     out.update(_model_info(model))
     if bench.cuda:
         torch.cuda.synchronize()
         out["allocated_before_gib"] = torch.cuda.memory_allocated() / GIB
     print(f"{name}: {out['params']:,} parameters, {out['weights_gib']:.2f} GiB", flush=True)
+    return config, out, model
+
+
+def _done_with(bench: Bench, model) -> None:
+    bench.save()
+    del model
+    gc.collect()
+    if bench.cuda:
+        torch.cuda.empty_cache()
+
+
+def _phase(bench: Bench, name: str, spec: dict, dtype, variants, confirm: bool = True) -> dict:
+    config, out, model = _build(bench, name, spec, dtype, spec["lengths"])
     rows = bench.fixed_lengths(model, name, spec["lengths"], variants)
     total = torch.cuda.get_device_properties(bench.device).total_memory if bench.cuda else None
     base_bytes = torch.cuda.memory_allocated() if bench.cuda else None
@@ -501,13 +527,23 @@ def _phase(bench: Bench, name: str, spec: dict, dtype, variants) -> dict:
     out["implied"] = implied
     if "start" in spec:
         bench.search(model, name, rows, variants, spec["start"], spec["step"], spec["cap"])
-    else:
+    elif confirm:
         out["confirm"] = _confirm(bench, model, name, implied.get("ours"), spec["step"], config)
-    bench.save()
-    del model
-    gc.collect()
-    if bench.cuda:
-        torch.cuda.empty_cache()
+    _done_with(bench, model)
+    return out
+
+
+def _confirm_only(bench: Bench, name: str, spec: dict, dtype, source: dict) -> dict:
+    """The confirming step of ``ours`` from an earlier run's implied largest S (its step times predict)."""
+    earlier = source[name]
+    config, out, model = _build(bench, name, spec, dtype, [])
+    out["implied"] = earlier["implied"]
+    out["implied_from"] = {"elapsed_s": source.get("elapsed_s"), "env": source.get("env")}
+    for row in earlier["rows"]:
+        if row["status"] == "ok":
+            bench.times.setdefault((name, row["variant"]), []).append((row["S"], row["ms"] / 1e3))
+    out["confirm"] = _confirm(bench, model, name, earlier["implied"].get("ours"), spec["step"], config)
+    _done_with(bench, model)
     return out
 
 
@@ -554,15 +590,23 @@ def _env(device: str) -> dict:
 
 
 def run(budget_s: float = 300.0, only: str | None = None, device: str = "cuda", quick: bool = False,
-        out_path=None) -> dict:  # fmt: skip
+        out_path=None, confirm: bool = True, confirm_from: dict | None = None) -> dict:  # fmt: skip
     """Everything above, as a JSON-serializable dict; no measurement starts once ``budget_s`` is spent (nor
-    one predicted to outlast it). ``only``: "4layer" or "32layer"."""
+    one predicted to outlast it). ``only``: "4layer" or "32layer". ``confirm``: False leaves out the step at
+    the 32-layer model's implied largest S; ``confirm_from``: an earlier run's result, whose implied largest S
+    that step then takes, and nothing else runs."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: use --device cpu --quick for the smoke test")
     bench = Bench(device, quick, budget_s, out_path)
     specs = QUICK if quick else FULL
     phases = [only] if only else list(specs)
     bench.result = {"env": _env(device), "budget_s": budget_s, "quick": quick}
+    dtype = torch.float32 if quick else torch.bfloat16
+    if confirm_from is not None:
+        _confirm_only(bench, "32layer", specs["32layer"], dtype, confirm_from)
+        bench.result["elapsed_s"] = time.perf_counter() - bench.start
+        bench.save()
+        return bench.result
     print("verify (tiny float32 model, every variant against vanilla) ...", flush=True)
     bench.result["verify"] = verify(device)
     print(f"  verify ok: {bench.result['verify']['ok']}", flush=True)
@@ -570,12 +614,11 @@ def run(budget_s: float = 300.0, only: str | None = None, device: str = "cuda", 
         assert bench.result["verify"]["ok"], json.dumps(bench.result["verify"], indent=2)
         check = implied_max_tokens([(32768, 10 * GIB), (65536, 18 * GIB)], 141 * GIB, 16 * GIB, 4096)
         assert check["max_S"] == int((125 * GIB - 2 * GIB) / (8 * GIB / 32768)) // 4096 * 4096, check
-    dtype = torch.float32 if quick else torch.bfloat16
     variants = available_variants()
     for i, name in enumerate(phases):
         # With both phases, the 4-layer one leaves 45% of the budget to the 32-layer one.
         bench.phase_deadline = bench.start + 0.55 * budget_s if len(phases) > 1 and i == 0 else bench.deadline
-        _phase(bench, name, specs[name], dtype, variants)
+        _phase(bench, name, specs[name], dtype, variants, confirm)
     bench.result["elapsed_s"] = time.perf_counter() - bench.start
     bench.save()
     if quick:
@@ -636,12 +679,14 @@ def markdown(result: dict) -> str:
                              f"| {r['tokens_per_s']:.0f} | {r['loss']:.4f} |")  # fmt: skip
             else:
                 lines.append(f"| {r['variant']} | {r['S']} | {r['status']} | | | {r.get('error', '')[:60]} |")
-        lines.append("\n| variant | KiB/token | implied max S (total memory) |")
-        lines.append("|---|---|---|")
+        lines.append("\n| variant | KiB/token | from S | implied max S (total memory) |")
+        lines.append("|---|---|---|---|")
         for variant, imp in out.get("implied", {}).items():
             imp = imp or {}
             note = f" ({imp['method']})" if imp.get("method", "").startswith("one point") else ""
-            lines.append(f"| {variant} | {_fmt(imp.get('kib_per_token'), '.1f')} | {_fmt(imp.get('max_S'))}{note} |")
+            used = ", ".join(str(s) for s in imp.get("points", [])) or "–"
+            lines.append(f"| {variant} | {_fmt(imp.get('kib_per_token'), '.1f')} | {used} | "
+                         f"{_fmt(imp.get('max_S'))}{note} |")  # fmt: skip
         if "search" in out:
             lines.append("\n| variant | largest S that fits | smallest S that did not | search |")
             lines.append("|---|---|---|---|")
@@ -665,10 +710,15 @@ def main():
     parser.add_argument("--only", choices=("4layer", "32layer"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny model, short S: the smoke test (CPU)")
+    parser.add_argument("--no-confirm", action="store_true", help="leave out the step at the 32-layer implied S")
+    parser.add_argument("--confirm-from", type=Path, metavar="RUN_JSON",
+                        help="run only that step, at the implied S of this earlier run's 32-layer phase")  # fmt: skip
     args = parser.parse_args()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = run(args.budget, only=args.only, device=args.device, quick=args.quick, out_path=args.out)
+    source = json.loads(args.confirm_from.read_text()) if args.confirm_from else None
+    result = run(args.budget, only=args.only, device=args.device, quick=args.quick, out_path=args.out,
+                 confirm=not args.no_confirm, confirm_from=source)  # fmt: skip
     print(markdown(result))
 
 
