@@ -1,15 +1,19 @@
 """The causal-LM loss: LigerForCausalLMLoss against transformers' ForCausalLMLoss (logits and fused paths), the
 kernelize layer as transformers' mapping uses it, and causal_lm_loss on stock transformers models (padding,
-num_items_in_batch, shift_labels, gradient checkpointing, tied embeddings, final-logit softcapping, DDP)."""
+num_items_in_batch, shift_labels, gradient checkpointing, tied embeddings, final-logit softcapping, DDP; each
+form of forward it serves, from Cohere's logit scale to Mamba's cast, and the models it refuses)."""
 
 import copy
+import types
 
 import kernels
 import pytest
 import torch
+import transformers
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from harness import rel_err
 
@@ -177,8 +181,103 @@ def grads_of(model, loss):
     return torch.autograd.grad(loss, params)
 
 
+def tiny(config_class, model_class, **overrides):
+    """A tiny model of any family in float64, dropout off (the loss is compared in training mode)."""
+    torch.manual_seed(0)
+    sizes = {**SIZES, "head_dim": 8, "max_position_embeddings": 64}
+    return model_class(config_class(**{**sizes, **overrides})).double()
+
+
+def _head_bias(model):
+    """The model's head given a bias: a scale on the logits scales it too, one on the hidden states does not."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, dtype=torch.float64)
+    model.lm_head = head
+    return model
+
+
+def _mixed_mamba():
+    model = tiny(T.MambaConfig, T.MambaForCausalLM, state_size=4, tie_word_embeddings=False)
+    model.backbone.float()
+    return model
+
+
+T = transformers
 MODEL_CASES = {
     "llama": (llama, {}),
+    "cohere: logits times logit_scale": (lambda: tiny(T.CohereConfig, T.CohereForCausalLM, logit_scale=0.37), {}),
+    "granite: logits divided by logits_scaling": (
+        lambda: tiny(T.GraniteConfig, T.GraniteForCausalLM, logits_scaling=3.0),
+        {},
+    ),
+    "hyperclovax: logits times logits_scaling": (
+        lambda: tiny(T.HyperCLOVAXConfig, T.HyperCLOVAXForCausalLM, logits_scaling=0.25),
+        {},
+    ),
+    "minicpm3: hidden states divided by logits_scaling": (
+        lambda: tiny(
+            T.MiniCPM3Config,
+            T.MiniCPM3ForCausalLM,
+            num_key_value_heads=4,
+            dim_model_base=8,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+        ),
+        {},
+    ),  # fmt: skip
+    "falcon_h1: logits times model.lm_head_multiplier": (
+        lambda: tiny(T.FalconH1Config, T.FalconH1ForCausalLM, lm_head_multiplier=0.5, mamba_d_state=4),
+        {},
+    ),
+    "granite: logits divided, a head with a bias": (
+        lambda: _head_bias(tiny(T.GraniteConfig, T.GraniteForCausalLM, logits_scaling=3.0)),
+        {},
+    ),
+    "minicpm3: hidden states divided, a head with a bias": (
+        lambda: _head_bias(
+            tiny(
+                T.MiniCPM3Config,
+                T.MiniCPM3ForCausalLM,
+                num_key_value_heads=4,
+                dim_model_base=8,
+                q_lora_rank=16,
+                kv_lora_rank=16,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=8,
+                v_head_dim=8,
+            )
+        ),
+        {},
+    ),  # fmt: skip
+    "mamba: a float32 backbone, its hidden states cast to the float64 head": (
+        _mixed_mamba,
+        {},
+    ),
+    "mamba: hidden states cast to the head's dtype": (
+        lambda: tiny(T.MambaConfig, T.MambaForCausalLM, state_size=4),
+        {},
+    ),
+    "opt: the decoder at model.decoder": (
+        lambda: tiny(T.OPTConfig, T.OPTForCausalLM, ffn_dim=64, word_embed_proj_dim=32, dropout=0.0),
+        {},
+    ),
+    "gpt2: the decoder at transformer": (
+        lambda: tiny(
+            T.GPT2Config,
+            T.GPT2LMHeadModel,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+        {},
+    ),  # fmt: skip
     "llama tied embeddings": (lambda: llama(tie_word_embeddings=True), {}),
     "llama num_items_in_batch": (llama, {"num_items_in_batch": torch.tensor(25)}),
     "llama shift_labels": (llama, {"shift_labels": True}),
@@ -202,17 +301,261 @@ def test_causal_lm_loss_equals_the_model_loss(lk, case):
         labels = None
     else:  # the model's own loss (transformers computes it in fp32)
         model_loss = model(input_ids=ids, attention_mask=mask, labels=labels, **options).loss
-    # the same loss in float64 from the model's logits (which include its softcapping)
-    want = _causal_loss64(model(input_ids=ids, attention_mask=mask).logits, labels, **options)
+    # the same loss in float64 from the model's logits (which include its softcapping and scaling); a model that
+    # upcasts its logits to float32 itself (Mamba) has them in float32 only
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    want = _causal_loss64(logits.double(), labels, **options)
     want_grads = grads_of(model, want)
     got, outputs = lk.causal_lm_loss(model, ids, labels, attention_mask=mask, return_outputs=True, **options)
     got_grads = grads_of(model, got)
-    assert got.dtype == torch.float64 and abs(got.item() - want.item()) <= 1e-12 * abs(want.item())
+    loss_bound, grad_bound = (1e-12, 1e-10) if logits.dtype == torch.float64 else (FP32_BOUND, 1e-5)
+    assert got.dtype == torch.float64 and abs(got.item() - want.item()) <= loss_bound * abs(want.item())
     if labels is not None:
         assert rel_err(got, model_loss) <= FP32_BOUND
     assert outputs.last_hidden_state.shape == (2, 12, 32)
+    # (a gradient that is zero but for rounding, OPT's key bias under the softmax, is compared at the scale of all)
+    scale = max(w.abs().max() for w in want_grads)
     for g, w in zip(got_grads, want_grads):
+        assert rel_err(g, w) <= grad_bound or (g - w).abs().max() <= 1e-6 * grad_bound * scale
+
+
+# What causal_lm_loss refuses: forwards whose loss is not "decoder, head, ForCausalLMLoss" (written here as
+# transformers writes them, each with the one statement that makes it differ), heads that are more than their
+# Linear, and a router loss turned on.
+
+
+class ZLossLlama(LlamaForCausalLM):
+    """Bamba's extra term: the loss plus a z-loss on the logits."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+            loss = loss + 0.1 * logits.logsumexp(-1).pow(2).mean()
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class CutVocabularyLlama(LlamaForCausalLM):
+    """Inkling's padded vocabulary: the logits cut after the head."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        logits = logits[..., :90]
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, 90, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class NormedHeadLlama(LlamaForCausalLM):
+    """Clvp's head: another layer between the hidden states and the projection."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(self.model.norm(hidden_states))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class UnshiftedLlama(LlamaForCausalLM):
+    """Bart's causal LM: a loss on unshifted labels, not ForCausalLMLoss."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, self.vocab_size), labels.view(-1))
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class ScaledAfterCapLlama(LlamaForCausalLM):
+    """A scale after the softcapping (no model has one; the order matters): not followed."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        if self.config.final_logit_softcapping is not None:
+            logits = logits / self.config.final_logit_softcapping
+            logits = torch.tanh(logits)
+            logits = logits * self.config.final_logit_softcapping
+        logits = logits * self.config.logit_scale
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def _lora(model, **config):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **config))
+
+
+def _prompt_tuning(model):
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+
+    return get_peft_model(model, PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=2))
+
+
+def _hooked_head(model):
+    model.lm_head.register_forward_hook(lambda module, args, out: out * 2)
+    return model
+
+
+def _head_with_own_forward(model):
+    head = model.lm_head
+    head.forward = lambda x: torch.nn.functional.linear(x, head.weight) * 2
+    return model
+
+
+def _patched_model_forward(model):
+    model.forward = types.MethodType(lambda self, **kwargs: LlamaForCausalLM.forward(self, **kwargs), model)
+    return model
+
+
+def _accelerate_hooked(model):
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    add_hook_to_module(model, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+    return model
+
+
+def _own_loss_function(model):
+    model.loss_function = lambda logits, labels, vocab_size, **kwargs: ForCausalLMLoss(logits, labels, vocab_size) * 2
+    return model
+
+
+REFUSED = {
+    "a z-loss added to the loss": (lambda: ZLossLlama(llama().config).double(), "a loss other than"),
+    "logits cut after the head": (lambda: CutVocabularyLlama(llama().config).double(), "logits\\[..., :90\\]"),
+    "a layer between hidden states and head": (lambda: NormedHeadLlama(llama().config).double(), "self.model.norm"),
+    "unshifted labels, no loss_function": (lambda: UnshiftedLlama(llama().config).double(), "the loss `loss ="),
+    "a scale after the softcapping": (
+        lambda: ScaledAfterCapLlama(llama(final_logit_softcapping=5.0, logit_scale=0.5).config).double(),
+        "logits \\* self.config.logit_scale",
+    ),
+    "LoRA on the head": (lambda: _lora(llama(), target_modules=["lm_head"]), "is not a plain nn.Linear"),
+    "the head in modules_to_save": (
+        lambda: _lora(llama(), target_modules=["q_proj"], modules_to_save=["lm_head"]),
+        "is not a plain nn.Linear",
+    ),
+    "prompt tuning": (lambda: _prompt_tuning(llama()), "prompt learning"),
+    "a forward hook on the head": (lambda: _hooked_head(llama()), "module hooks"),
+    "a forward set on the head (accelerate's offload)": (lambda: _head_with_own_forward(llama()), "plain nn.Linear"),
+    "the model's own loss_function": (lambda: _own_loss_function(llama()), "loss_function is <lambda>"),
+    "a forward set on the model": (lambda: _patched_model_forward(llama()), "a forward of its own"),
+    "a router loss on (config)": (lambda: mixtral(output_router_logits=True), "if output_router_logits:"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_causal_lm_loss_refuses_what_it_would_not_reproduce(lk, case):
+    """Each of these models' losses differs from the fused loss on the head's weight: a ValueError naming why,
+    raised before the decoder runs."""
+    make, match = REFUSED[case]
+    model = make()
+    ids, mask, labels = model_inputs()
+    calls = []
+    decoder = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=match):
+        lk.causal_lm_loss(model, ids, labels, attention_mask=mask)
+    assert calls == []
+
+
+def test_causal_lm_loss_refuses_under_a_global_module_hook(lk):
+    model = llama()
+    ids, mask, labels = model_inputs()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        with pytest.raises(ValueError, match="module hooks"):
+            lk.causal_lm_loss(model, ids, labels, attention_mask=mask)
+    finally:
+        handle.remove()
+    lk.causal_lm_loss(model, ids, labels, attention_mask=mask)  # served again once the hook is gone
+
+
+def mixtral(**overrides):
+    config = dict(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, **overrides)
+    return tiny(T.MixtralConfig, T.MixtralForCausalLM, **config).float()  # (grouped GEMMs: no float64)
+
+
+def test_causal_lm_loss_serves_an_moe_without_its_router_loss(lk):
+    """Mixtral adds its router's load-balancing loss under `output_router_logits`: with it off (the config's
+    default, or passed False over a config that turns it on) the fused loss is the model's; passed True, refused."""
+    ids, mask, labels = model_inputs()
+    model = mixtral().eval()
+    want = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert rel_err(lk.causal_lm_loss(model, ids, labels, attention_mask=mask), want) <= FP32_BOUND
+    with pytest.raises(ValueError, match="output_router_logits=False"):
+        lk.causal_lm_loss(model, ids, labels, attention_mask=mask, output_router_logits=True)
+    on = mixtral(output_router_logits=True).eval()
+    want_off = on(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=False).loss
+    got = lk.causal_lm_loss(on, ids, labels, attention_mask=mask, output_router_logits=False)
+    assert rel_err(got, want_off) <= FP32_BOUND
+    assert rel_err(want_off, on(input_ids=ids, attention_mask=mask, labels=labels).loss) > 1e-4  # the term is real
+
+
+def _scale_rows(weight):
+    return weight * torch.linspace(0.5, 1.5, weight.shape[0], dtype=weight.dtype)[:, None]
+
+
+class RowScale(torch.nn.Module):
+    def forward(self, weight):
+        return _scale_rows(weight)
+
+
+WRAPPED = {
+    "LoRA on the attention (PEFT)": lambda: _lora(llama(), target_modules=["q_proj", "v_proj"]),
+    "a parametrized head": lambda: _parametrized_head(llama()),
+    "torch.compile": lambda: torch.compile(llama()),
+    "accelerate's device hook on the model": lambda: _accelerate_hooked(llama()),
+}
+
+
+def _parametrized_head(model):
+    torch.nn.utils.parametrize.register_parametrization(model.lm_head, "weight", RowScale())
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(WRAPPED))
+def test_causal_lm_loss_through_wrappers_equals_their_loss(lk, case):
+    """A PEFT model (LoRA layers run in its decoder), a parametrized head (its weight is the parametrization's)
+    and a compiled model (its original module serves): the loss and gradients equal the wrapped model's own."""
+    model = WRAPPED[case]()
+    ids, mask, labels = model_inputs()
+    reference = getattr(model, "_orig_mod", model)  # (the compiled forward rounds float64 sums in its own order)
+    logits = reference(input_ids=ids, attention_mask=mask).logits
+    want = _causal_loss64(logits, labels)
+    want_grads = grads_of(model, want)
+    got = lk.causal_lm_loss(model, ids, labels, attention_mask=mask)
+    assert rel_err(got, want) <= 1e-12
+    for g, w in zip(grads_of(model, got), want_grads):
         assert rel_err(g, w) <= 1e-10
+
+
+def test_forms_read_from_transformers_classes(lk):
+    """The reading of transformers' own forwards: what each serves with, and what it refuses."""
+    form_of = lk._causal_lm.form_of
+    llama_form = form_of(LlamaForCausalLM)
+    assert (llama_form.decoder, llama_form.head, llama_form.problem) == (("model",), "lm_head", None)
+    assert form_of(Gemma2ForCausalLM).softcap == ("config", "final_logit_softcapping")
+    assert form_of(T.MixtralForCausalLM).guards == (("output_router_logits", ("config", "output_router_logits")),)
+    assert form_of(T.OPTForCausalLM).decoder == ("model", "decoder")
+    for refused in (T.BambaForCausalLM, T.BartForCausalLM, T.ClvpForCausalLM, T.InklingForCausalLM):
+        assert form_of(refused).problem, refused
+    assert form_of(ZLossLlama) is form_of(ZLossLlama)  # read once
 
 
 def test_wrapper_module_and_ddp_refusal(lk):

@@ -10,6 +10,7 @@ Reading order for a newcomer:
   _gated.py              the gated kernels, their PyTorch path and autograd contract; swiglu.py, geglu.py
                          are its public faces
   rms_norm.py, rotary.py, cross_entropy.py, fused_linear_cross_entropy.py, loss.py: the other kernels
+                         (_causal_lm.py: what a CausalLM's forward computes, read before causal_lm_loss runs)
   _hosts.py, gated_mlp.py   what a host module computes, and the gated MLP math the layers run
   tiled_mlp.py           the tiled MLP (with _tiling, _replay, _tiled_gated, _grad_sums, _zero3 beside it)
   layers.py, mapping.py  the kernelize layers and the mapping that names them

@@ -13,6 +13,7 @@
   to DDP or FSDP2, which only synchronize what runs inside the forward of the module they wrap.
 """
 
+import inspect
 import numbers
 import types
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _causal_lm, _hosts, _zero3
 from .cross_entropy import CrossEntropyOutput, cross_entropy
 from .fused_linear_cross_entropy import liger_fused_linear_cross_entropy
 
@@ -92,24 +94,99 @@ def LigerForCausalLMLoss(
     return loss
 
 
-def _decoder(model: nn.Module) -> nn.Module:
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else getattr(model, "model", None)
-    if decoder is None or decoder is model:
-        raise ValueError(f"causal_lm_loss: cannot find the decoder of {type(model).__name__} (get_decoder() / .model)")
-    return decoder
+def _served(model: nn.Module) -> nn.Module:
+    """The CausalLM whose forward is read: a ``torch.compile``d model's original, a PEFT model's base model (its
+    LoRA layers stay in place, so the decoder runs them); prompt learning is refused (it changes the inputs)."""
+    while True:
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif callable(getattr(model, "get_base_model", None)) and hasattr(model, "active_peft_config"):
+            if getattr(model.active_peft_config, "is_prompt_learning", False):
+                raise ValueError(
+                    "causal_lm_loss: the PEFT model uses prompt learning, which changes the decoder's inputs; "
+                    "compute model(...).loss instead"
+                )
+            model = model.get_base_model()
+        else:
+            return model
 
 
-def _logit_scale(model: nn.Module, config) -> float:
-    """The factor the model multiplies its logits by: Cohere's ``logit_scale``, Granite's ``1/logits_scaling``."""
-    scale = 1.0
-    model_scale = getattr(model, "logit_scale", None)
-    if isinstance(model_scale, numbers.Real) and not isinstance(model_scale, bool):
-        scale *= float(model_scale)
-    scaling = getattr(config, "logits_scaling", None)
-    if isinstance(scaling, numbers.Real) and not isinstance(scaling, bool):
-        scale /= float(scaling)
-    return scale
+def _accelerate_wrapped(model) -> bool:
+    """accelerate's hooks (``device_map``, offload) set the instance's forward to one that moves tensors between
+    devices around the class's own: the model's math is still the class forward's."""
+    old = getattr(model, "_old_forward", None)
+    return hasattr(model, "_hf_hook") and getattr(old, "__func__", None) is type(model).forward
+
+
+def _refuse(model, why: str):
+    raise ValueError(
+        f"causal_lm_loss: {type(model).__name__} cannot be served: {why}. Compute model(...).loss for this model "
+        "(its logits are then built)"
+    )
+
+
+def _is_one(value) -> bool:
+    return isinstance(value, float) and value == 1.0
+
+
+def _number(model, path, what: str):
+    """The number at ``path``: a float, or a 0-d tensor (which then multiplies inside the graph)."""
+    value = _causal_lm.value_at(model, path)
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        _refuse(model, f"its {what} `self.{'.'.join(path)}` is {type(value).__name__}, not a number")
+    return float(value)
+
+
+def _check_guards(model, form, kwargs) -> None:
+    """A block the forward runs under a flag (an MoE's router loss) must not run: the fused loss leaves it out.
+    The flag is resolved as the forward resolves it: the call's value, else the config's, else its default."""
+    for flag, config_path in form.guards:
+        value = kwargs.get(flag)
+        if value is None and config_path is not None:
+            value = _causal_lm.value_at(model, config_path)
+        if value is None:
+            parameter = inspect.signature(type(model).forward).parameters.get(flag)
+            value = None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+        if value:
+            _refuse(
+                model,
+                f"its forward adds a term under `if {flag}:` (a router's load-balancing loss), which the fused loss "
+                f"would leave out; pass {flag}=False and add that term from the decoder's outputs "
+                "(return_outputs=True)",
+            )
+
+
+def _check_loss_function(model) -> None:
+    loss_function = getattr(model, "loss_function", None)
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # no transformers: the model cannot be one of its CausalLMs
+        ForCausalLMLoss = None
+    if loss_function is LigerForCausalLMLoss or (ForCausalLMLoss is not None and loss_function is ForCausalLMLoss):
+        return
+    name = getattr(loss_function, "__name__", type(loss_function).__name__)
+    _refuse(model, f"its loss_function is {name}, not transformers' ForCausalLMLoss")
+
+
+def _engine_hook(hook) -> bool:
+    """A hook DeepSpeed ZeRO-3 or FSDP2 put on the head to gather its weight around its calls: the fused loss's
+    read of the weight is served too (ZeRO-3 inside the engine's forward, FSDP2 through ``_fsdp_head_call``)."""
+    owner = getattr(hook, "__self__", None)
+    return _zero3.is_engine_hook(hook) or type(owner).__module__.startswith("torch.distributed.fsdp")
+
+
+def _check_head(model, head, name: str) -> None:
+    """The head's call must be exactly ``F.linear(hidden, weight, bias)``: what the fused loss computes."""
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in vars(head):
+        _refuse(
+            model,
+            f"its head `self.{name}` ({type(head).__name__}) is not a plain nn.Linear (an adapter, an offload hook or "
+            "layers around the projection would be skipped: the fused loss reads the weight and bias alone)",
+        )
+    if _hosts._hooks_anywhere(head, _engine_hook):
+        _refuse(model, f"its head `self.{name}` has module hooks (or global ones), which the fused loss would not call")
 
 
 def causal_lm_loss(
@@ -124,33 +201,57 @@ def causal_lm_loss(
     **kwargs,
 ):
     """The loss ``model(input_ids, attention_mask=..., labels=...).loss`` computes, for a stock transformers
-    CausalLM, without the logits: ``model.get_decoder()`` runs on the inputs (``kwargs`` go to it too, e.g.
-    ``position_ids`` or ``inputs_embeds``; ``use_cache`` defaults to False), then the fused linear cross-entropy
-    on its last hidden state and ``model.get_output_embeddings()``'s weight and bias, with the config's
-    ``final_logit_softcapping`` and the model's logit scaling. ``num_items_in_batch`` as the Trainer passes it
-    (tokens of the whole accumulated batch: "sum" divided by it). Returns the loss, or ``(loss, decoder
-    outputs)`` with ``return_outputs``. Plain PyTorch: works with gradient checkpointing and tied embeddings;
-    under DDP/FSDP2 call it inside the wrapped module's forward (:class:`CausalLMWithFusedLoss`)."""
+    CausalLM, without the logits: the decoder the model's forward calls runs on the inputs (``kwargs`` go to it
+    too, e.g. ``position_ids`` or ``inputs_embeds``; ``use_cache`` defaults to False), then the fused linear
+    cross-entropy on its last hidden state and the head's weight and bias, with the scaling and softcapping the
+    forward applies to the logits. The model's forward is read first (``_causal_lm``); a model whose loss is
+    something else (another loss term, a head that is not a plain nn.Linear, a router loss turned on) is refused
+    with a ValueError. ``num_items_in_batch`` as the Trainer passes it (tokens of the whole accumulated batch:
+    "sum" divided by it). Returns the loss, or ``(loss, decoder outputs)`` with ``return_outputs``. Plain
+    PyTorch: works with gradient checkpointing, tied embeddings, PEFT LoRA and ``torch.compile``d models (their
+    decoders run as they are); under DDP/FSDP2 call it inside the wrapped module's forward
+    (:class:`CausalLMWithFusedLoss`)."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise TypeError(
             "causal_lm_loss: `model` is wrapped in DistributedDataParallel, whose gradient synchronization only "
             "covers its own forward; wrap CausalLMWithFusedLoss(model) in DDP instead"
         )
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        raise ValueError(f"causal_lm_loss: {type(model).__name__} has no output embedding with a weight")
     if labels is None and shift_labels is None:
         raise ValueError("causal_lm_loss: pass `labels` or `shift_labels`")
+    model = _served(model)
+    if "forward" in vars(model) and not _accelerate_wrapped(model):
+        _refuse(model, "its instance has a forward of its own (a patch of this model's call), which would not run")
+    form = _causal_lm.form_of(type(model))
+    if form.problem:
+        _refuse(model, form.problem)
+    _check_guards(model, form, kwargs)
+    _check_loss_function(model)
+    head = _causal_lm.value_at(model, (form.head,))
+    _check_head(model, head, form.head)
+    # (h s) W^T + b, then times t: (h s t) W^T + b t, with s the factors on the hidden states, t those on the logits
+    hidden_scale = bias_scale = 1.0
+    for on_logits, factors in ((False, form.hidden_factors), (True, form.logit_factors)):
+        for factor in factors:
+            value = _number(model, factor.path, "scale")
+            value = 1.0 / value if factor.divide else value
+            hidden_scale = hidden_scale * value
+            if on_logits:
+                bias_scale = bias_scale * value
+    softcap = None
+    if form.softcap is not None and _causal_lm.value_at(model, form.softcap) is not None:
+        softcap = _number(model, form.softcap, "softcapping")
     kwargs.setdefault("use_cache", False)
-    outputs = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    outputs = _causal_lm.value_at(model, form.decoder)(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if form.hidden_cast:
+        hidden = hidden.to(head.weight.dtype)
     options = dict(
         num_items_in_batch=num_items_in_batch,
         ignore_index=ignore_index,
         shift_labels=shift_labels,
-        scale=_logit_scale(model, config),
-        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        hidden_scale=hidden_scale,
+        bias_scale=bias_scale,
+        final_logit_softcapping=softcap,
     )
     loss = (
         _fsdp_head_call(head, hidden, labels, options)
@@ -162,11 +263,11 @@ def causal_lm_loss(
 
 def _head_loss(head, hidden, labels, options):
     """The fused loss on ``head``'s weight and bias (never its forward: that would build the logits)."""
-    weight, bias = head.weight, getattr(head, "bias", None)
-    scale = options["scale"]
-    if scale != 1.0:  # (h W^T + b) s = (s h) W^T + s b
-        hidden = hidden * scale
-        bias = bias * scale if bias is not None else None
+    weight, bias = head.weight, head.bias
+    if not _is_one(options["hidden_scale"]):
+        hidden = hidden * options["hidden_scale"]
+    if bias is not None and not _is_one(options["bias_scale"]):
+        bias = bias * options["bias_scale"]
     return LigerForCausalLMLoss(
         None,
         labels,

@@ -1,0 +1,364 @@
+"""What a transformers CausalLM's forward computes around its decoder, read before ``causal_lm_loss`` stands in
+for it.
+
+``causal_lm_loss`` runs the model's decoder, then the fused linear cross-entropy on the head's weight: it
+gives ``model(...).loss`` only for a model whose forward is exactly that. The forward of the model's class is
+read once (its syntax tree, as ``_hosts`` reads the layers' hosts) and must be, in order:
+
+* flags resolved from the config (``flag = flag if flag is not None else self.config.flag``);
+* the decoder call ``outputs = self.<decoder>(...)``, each argument one of the forward's own names;
+* the hidden states: ``outputs.last_hidden_state`` or ``outputs[0]``, sliced to ``logits_to_keep``, cast to
+  the head's dtype, multiplied or divided by numbers the model holds (MiniCPM3);
+* ``logits = self.<head>(hidden)``, multiplied or divided by numbers the model holds (Cohere's
+  ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``), upcast, then Gemma's
+  softcapping block (``if <cap> is not None:`` divide, tanh, multiply);
+* ``loss = self.loss_function(logits, labels, ...)`` alone under ``if labels is not None:``, the model's
+  ``loss_function`` being transformers' ``ForCausalLMLoss`` at call time;
+* blocks under a resolved flag (an MoE's router loss under ``output_router_logits``), which the call allows
+  where the flag is false and refuses where it is true; branches that only return (tuple outputs).
+
+Anything else (another loss term, a head that is more than the Linear, labels the model does not shift, a
+vocabulary cut after the head) refuses the model, quoting the statement, instead of a loss that is not the
+model's.
+"""
+
+import ast
+import inspect
+import textwrap
+from typing import NamedTuple
+
+
+class Factor(NamedTuple):
+    divide: bool  # x / value (else x * value)
+    path: tuple  # attribute chain from the model to the number: ("config", "logits_scaling")
+
+
+class Form(NamedTuple):
+    decoder: tuple | None = None  # the attribute chain the forward calls for the decoder: ("model",)
+    head: str | None = None  # the attribute it calls on the hidden states
+    hidden_cast: bool = False  # hidden states cast to the head's dtype first (Mamba)
+    hidden_factors: tuple = ()  # Factors on the hidden states, before the head
+    logit_factors: tuple = ()  # Factors on the logits, after the head
+    softcap: tuple | None = None  # attribute chain of the softcapping value, applied when it is not None
+    guards: tuple = ()  # (flag, config chain or None): blocks that run where the flag is true
+    problem: str | None = None  # why the model is refused
+
+
+class _Unknown(Exception):
+    """The forward holds something this reading does not follow."""
+
+
+def value_at(model, path):
+    """The value at attribute chain ``path`` from ``model`` (None where a link is missing)."""
+    value = model
+    for name in path:
+        value = getattr(value, name, None)
+        if value is None:
+            return None
+    return value
+
+
+class _Reader:
+    def __init__(self, function: ast.FunctionDef):
+        args = function.args
+        self.self_name = args.args[0].arg
+        self.params = {a.arg for a in args.args[1:] + args.kwonlyargs}
+        self.kwargs = args.kwarg.arg if args.kwarg else None
+        self.flags = {}  # name -> config chain
+        self.env = {}  # name -> term: ("outputs",), ("hidden", cast, factors), ("logits", ...), ("none",)
+        self.form = {"guards": []}
+        self.loss_found = False
+
+    # --- expressions ---------------------------------------------------------------------------------------
+    def path(self, node):
+        """``self.a.b`` -> ("a", "b"); None for anything else."""
+        names = []
+        while isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id == self.self_name and names:
+            return tuple(reversed(names))
+        return None
+
+    def term(self, node):
+        env = self.env
+        if isinstance(node, ast.Name) and node.id in env:
+            return env[node.id]
+        if isinstance(node, ast.Attribute) and node.attr == "last_hidden_state":
+            if self.term(node.value)[0] == "outputs":
+                return ("hidden", False, ())
+        if isinstance(node, ast.Subscript):
+            inner = self.term(node.value)
+            if inner[0] == "outputs" and isinstance(node.slice, ast.Constant) and node.slice.value == 0:
+                return ("hidden", False, ())
+            if inner[0] == "hidden" and self._is_token_slice(node.slice):
+                return inner
+        if isinstance(node, ast.Call):
+            return self.call_term(node)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+            divide = isinstance(node.op, ast.Div)
+            orders = [(node.left, node.right)] if divide else [(node.left, node.right), (node.right, node.left)]
+            for operand, number in orders:
+                path = self.path(number)
+                if path is None:
+                    continue
+                inner = self.term(operand)
+                if inner[0] == "hidden":
+                    return ("hidden", inner[1], inner[2] + (Factor(divide, path),))
+                if inner[0] == "logits" and inner[4] is None:  # a factor after the softcapping: not followed
+                    return inner[:3] + (inner[3] + (Factor(divide, path),), None)
+                break
+        raise _Unknown(f"the expression `{ast.unparse(node)}`")
+
+    def _is_token_slice(self, node) -> bool:
+        """``[:, slice_indices, :]``: the tokens logits_to_keep keeps (all of them when it is 0)."""
+        return (
+            isinstance(node, ast.Tuple)
+            and len(node.elts) == 3
+            and all(isinstance(e, ast.Slice) and e.lower is e.upper is e.step is None for e in node.elts[::2])
+            and isinstance(node.elts[1], ast.Name)
+            and node.elts[1].id == "slice_indices"
+        )
+
+    def call_term(self, node):
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "slice_logits_to_keep" and len(node.args) == 2:
+            inner = self.term(node.args[0])
+            if inner[0] == "hidden" and isinstance(node.args[1], ast.Name) and node.args[1].id in self.params:
+                return inner
+        if isinstance(func, ast.Attribute) and not node.keywords:
+            head = self.path(func)
+            if head is not None and len(head) == 1 and len(node.args) == 1:
+                inner = self.term(node.args[0])
+                if inner[0] == "hidden":
+                    return ("logits", head[0], inner, (), None)
+            if func.attr in ("float", "contiguous") and not node.args:  # an upcast or a copy: the same values
+                inner = self.term(func.value)
+                if inner[0] == "logits":
+                    return inner
+        if isinstance(func, ast.Attribute) and func.attr == "to":
+            dtype = [*node.args, *(k.value for k in node.keywords if k.arg == "dtype")]
+            if len(dtype) == 1 and len(node.args) + len(node.keywords) == 1:
+                inner = self.term(func.value)
+                target = self.path(dtype[0])
+                if inner[0] == "hidden" and target and len(target) == 3 and target[1:] == ("weight", "dtype"):
+                    return ("hidden", target[0], inner[2])  # cast: checked against the head below
+        raise _Unknown(f"the call `{ast.unparse(node)}`")
+
+    # --- statements ----------------------------------------------------------------------------------------
+    def read(self, body) -> Form:
+        for statement in body:
+            if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
+                continue  # docstring
+            if isinstance(statement, ast.Return):
+                break
+            if isinstance(statement, (ast.Assign, ast.AnnAssign)):
+                self.assign(statement)
+            elif isinstance(statement, ast.If):
+                self.branch(statement)
+            else:
+                raise _Unknown(f"the statement `{_first_line(statement)}`")
+        if "decoder" not in self.form or not self.loss_found:
+            raise _Unknown("no decoder call followed by `loss = self.loss_function(logits, labels, ...)`")
+        logits = self.form.pop("logits")
+        _, head, hidden, factors, softcap = logits
+        if hidden[1] not in (False, head):
+            raise _Unknown(f"hidden states cast to `self.{hidden[1]}`'s dtype before `self.{head}` runs")
+        return Form(
+            decoder=self.form["decoder"],
+            head=head,
+            hidden_cast=hidden[1] is not False,
+            hidden_factors=hidden[2],
+            logit_factors=factors,
+            softcap=softcap,
+            guards=tuple(self.form["guards"]),
+        )
+
+    def assign(self, statement):
+        targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+        if len(targets) != 1 or not isinstance(targets[0], ast.Name) or statement.value is None:
+            raise _Unknown(f"the statement `{_first_line(statement)}`")
+        name, value = targets[0].id, statement.value
+        if "decoder" not in self.form:
+            if self._is_flag(name, value):
+                return
+            decoder = self.path(value.func) if isinstance(value, ast.Call) else None
+            if decoder is None:
+                raise _Unknown(f"the statement `{_first_line(statement)}` before the decoder call")
+            self._check_decoder_arguments(value)
+            self.form["decoder"] = decoder
+            self.env[name] = ("outputs",)
+            return
+        if isinstance(value, ast.Constant) and value.value is None:
+            self.env[name] = ("none",)
+            return
+        if name == "slice_indices" and not any(isinstance(n, ast.Name) and n.id in self.env for n in ast.walk(value)):
+            return  # which tokens logits_to_keep keeps
+        self.env[name] = self.term(value)
+
+    def _is_flag(self, name, value) -> bool:
+        """``name = name if name is not None else self.config.<chain>``."""
+        if not (isinstance(value, ast.IfExp) and name in self.params):
+            return False
+        test, chain = value.test, self.path(value.orelse)
+        is_not_none = (
+            isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name)
+            and test.left.id == name
+            and len(test.ops) == 1
+            and isinstance(test.ops[0], ast.IsNot)
+            and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value is None
+        )
+        if is_not_none and isinstance(value.body, ast.Name) and value.body.id == name and chain:
+            self.flags[name] = chain
+            return True
+        return False
+
+    def _check_decoder_arguments(self, call):
+        known = self.params | set(self.flags)
+        for arg in call.args:
+            if not (isinstance(arg, ast.Name) and arg.id in known):
+                raise _Unknown(f"the decoder argument `{ast.unparse(arg)}`")
+        for keyword in call.keywords:
+            value = keyword.value
+            if keyword.arg is None:
+                if not (isinstance(value, ast.Name) and value.id == self.kwargs):
+                    raise _Unknown(f"the decoder argument `**{ast.unparse(value)}`")
+            elif not (isinstance(value, ast.Name) and value.id in known):
+                raise _Unknown(f"the decoder argument `{keyword.arg}={ast.unparse(value)}`")
+
+    def branch(self, statement: ast.If):
+        test = statement.test
+        if statement.body and isinstance(statement.body[-1], ast.Return) and not statement.orelse:
+            return  # a branch that only returns (the tuple outputs): the loss is what the other path computes
+        if statement.orelse:
+            raise _Unknown(f"the branch `{_first_line(statement)}` with an else")
+        if isinstance(test, ast.Name) and test.id in self.params:
+            # A block under a flag (an MoE's router loss): skipped where the flag is false, which the call checks.
+            self.form["guards"].append((test.id, self.flags.get(test.id)))
+            return
+        if _is_not_none(test, "labels"):
+            self.loss_call(statement.body)
+            return
+        cap = self.path(test.left) if isinstance(test, ast.Compare) and _is_not_none(test, None) else None
+        if cap is not None and self._is_softcap(statement.body, cap):
+            return
+        raise _Unknown(f"the branch `{_first_line(statement)}`")
+
+    def loss_call(self, body):
+        if self.loss_found or len(body) != 1:
+            raise _Unknown("a loss other than `loss = self.loss_function(logits, labels, ...)` alone")
+        statement = body[0]
+        value = statement.value if isinstance(statement, ast.Assign) else None
+        if not (
+            isinstance(value, ast.Call)
+            and len(statement.targets) == 1
+            and isinstance(statement.targets[0], ast.Name)
+            and self.path(value.func) == ("loss_function",)
+        ):
+            raise _Unknown(f"the loss `{_first_line(statement)}`")
+        given = dict(zip(("logits", "labels", "vocab_size"), value.args))
+        if len(value.args) > 3:
+            raise _Unknown(f"the loss `{_first_line(statement)}`")
+        for keyword in value.keywords:
+            if keyword.arg is None:
+                if not (isinstance(keyword.value, ast.Name) and keyword.value.id == self.kwargs):
+                    raise _Unknown(f"the loss argument `**{ast.unparse(keyword.value)}`")
+            elif keyword.arg in ("logits", "labels", "vocab_size"):
+                given[keyword.arg] = keyword.value
+            else:
+                raise _Unknown(f"the loss argument `{keyword.arg}={ast.unparse(keyword.value)}`")
+        logits, labels = given.get("logits"), given.get("labels")
+        if not (isinstance(labels, ast.Name) and labels.id == "labels" and logits is not None):
+            raise _Unknown(f"the loss `{_first_line(statement)}`")
+        term = self.term(logits)
+        if term[0] != "logits":
+            raise _Unknown(f"the loss on `{ast.unparse(logits)}`")
+        self.form["logits"] = term
+        self.loss_found = True
+
+    def _is_softcap(self, body, cap) -> bool:
+        """``logits = logits / cap; logits = torch.tanh(logits); logits = logits * cap`` (upcasts allowed)."""
+        if len(body) != 3 or not all(isinstance(s, ast.Assign) and len(s.targets) == 1 for s in body):
+            return False
+        names = {s.targets[0].id for s in body if isinstance(s.targets[0], ast.Name)}
+        if len(names) != 1:
+            return False
+        (name,) = names
+        before = self.env.get(name)
+        if before is None or before[0] != "logits" or before[4] is not None:
+            return False
+        divide, tanh, multiply = (s.value for s in body)
+        ok = (
+            isinstance(divide, ast.BinOp)
+            and isinstance(divide.op, ast.Div)
+            and self.path(divide.right) == cap
+            and self._is_logits(divide.left, name)
+            and isinstance(tanh, ast.Call)
+            and ast.unparse(tanh.func) == "torch.tanh"
+            and len(tanh.args) == 1
+            and not tanh.keywords
+            and self._is_logits(tanh.args[0], name)
+            and isinstance(multiply, ast.BinOp)
+            and isinstance(multiply.op, ast.Mult)
+            and self._is_logits(multiply.left, name)
+            and self.path(multiply.right) == cap
+        )
+        if ok:
+            self.env[name] = before[:4] + (cap,)
+        return ok
+
+    def _is_logits(self, node, name) -> bool:
+        """``name`` or ``name.float()``."""
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "float":
+            if node.args or node.keywords:
+                return False
+            node = node.func.value
+        return isinstance(node, ast.Name) and node.id == name
+
+
+def _is_not_none(test, name) -> bool:
+    """``<name> is not None`` (any left side when name is None)."""
+    return (
+        isinstance(test, ast.Compare)
+        and (name is None or (isinstance(test.left, ast.Name) and test.left.id == name))
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.IsNot)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    )
+
+
+def _first_line(node) -> str:
+    return ast.unparse(node).splitlines()[0]
+
+
+_FORMS = {}  # forward function -> Form
+
+
+def form_of(cls) -> Form:
+    """How the CausalLM class ``cls`` computes its loss, read once per forward function."""
+    forward = getattr(cls, "forward", None)
+    known = _FORMS.get(forward)
+    if known is not None:
+        return known
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+        function = tree.body[0]
+        if not isinstance(function, ast.FunctionDef) or not function.args.args:
+            raise _Unknown("a forward that is not a plain method")
+        for decorator in function.decorator_list:
+            if ast.unparse(decorator) not in _HARMLESS_DECORATORS:
+                raise _Unknown(f"the decorator `@{ast.unparse(decorator)}`")
+        known = _Reader(function).read(function.body)
+    except _Unknown as error:
+        known = Form(problem=f"its forward holds {error}, which causal_lm_loss would not reproduce")
+    except (OSError, TypeError, SyntaxError, ValueError) as error:  # no source to read, or an odd one
+        known = Form(problem=f"its forward could not be read ({type(error).__name__}: {error})")
+    _FORMS[forward] = known
+    return known
+
+
+# transformers' decorators on CausalLM forwards that change how outputs are packed or documented, not the loss.
+_HARMLESS_DECORATORS = {"can_return_tuple", "auto_docstring", "check_model_inputs", "merge_with_config_defaults"}
