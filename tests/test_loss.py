@@ -4,6 +4,7 @@ num_items_in_batch, shift_labels, gradient checkpointing, tied embeddings, final
 form of forward it serves, from Cohere's logit scale to Mamba's cast, and the models it refuses)."""
 
 import copy
+import functools
 import types
 
 import kernels
@@ -396,6 +397,84 @@ class ScaledAfterCapLlama(LlamaForCausalLM):
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
+class EarlyReturnLlama(LlamaForCausalLM):
+    """A branch that returns another loss (here in training): not the tuple outputs, so not skipped."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        if self.training:
+            return CausalLMOutputWithPast(loss=loss + logits.logsumexp(-1).pow(2).mean(), logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class ReturnedSumLlama(LlamaForCausalLM):
+    """The output's loss is not the loss computed above."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss * 2, logits=logits)
+
+
+class NoKwargsLossLlama(LlamaForCausalLM):
+    """A loss call that passes nothing on: the model's loss is the mean whatever num_items_in_batch says."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def _doubled_loss(self, *args, **kwargs):
+    output = LlamaForCausalLM.forward(self, *args, **kwargs)
+    output.loss = output.loss * 2
+    return output
+
+
+def _patched_with_wraps():
+    """A class-level patch that copies the original's names (functools.wraps): inspect would read the original."""
+    cls = type("PatchedLlama", (LlamaForCausalLM,), {})
+    cls.forward = functools.wraps(LlamaForCausalLM.forward)(_doubled_loss)
+    return cls(llama().config).double()
+
+
+class CalledLlama(LlamaForCausalLM):
+    def __call__(self, *args, **kwargs):
+        output = super().__call__(*args, **kwargs)
+        output.loss = output.loss * 2
+        return output
+
+
+def _model_pre_hook(model):
+    model.register_forward_pre_hook(lambda module, args, kwargs: (args, {**kwargs, "labels": None}), with_kwargs=True)
+    return model
+
+
+def _accelerate_model_hook(model):
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Halve(ModelHook):
+        def post_forward(self, module, output):
+            output.loss = output.loss / 2
+            return output
+
+    add_hook_to_module(model, Halve())
+    return model
+
+
 def _lora(model, **config):
     from peft import LoraConfig, get_peft_model
 
@@ -437,7 +516,7 @@ def _own_loss_function(model):
 
 
 REFUSED = {
-    "a z-loss added to the loss": (lambda: ZLossLlama(llama().config).double(), "a loss other than"),
+    "a z-loss added to the loss": (lambda: ZLossLlama(llama().config).double(), "under `if labels is not None:`"),
     "logits cut after the head": (lambda: CutVocabularyLlama(llama().config).double(), "logits\\[..., :90\\]"),
     "a layer between hidden states and head": (lambda: NormedHeadLlama(llama().config).double(), "self.model.norm"),
     "unshifted labels, no loss_function": (lambda: UnshiftedLlama(llama().config).double(), "the loss `loss ="),
@@ -445,10 +524,10 @@ REFUSED = {
         lambda: ScaledAfterCapLlama(llama(final_logit_softcapping=5.0, logit_scale=0.5).config).double(),
         "logits \\* self.config.logit_scale",
     ),
-    "LoRA on the head": (lambda: _lora(llama(), target_modules=["lm_head"]), "is not a plain nn.Linear"),
+    "LoRA on the head": (lambda: _lora(llama(), target_modules=["lm_head"]), "is not called as a plain nn.Linear"),
     "the head in modules_to_save": (
         lambda: _lora(llama(), target_modules=["q_proj"], modules_to_save=["lm_head"]),
-        "is not a plain nn.Linear",
+        "is not called as a plain nn.Linear",
     ),
     "prompt tuning": (lambda: _prompt_tuning(llama()), "prompt learning"),
     "a forward hook on the head": (lambda: _hooked_head(llama()), "module hooks"),
@@ -456,6 +535,22 @@ REFUSED = {
     "the model's own loss_function": (lambda: _own_loss_function(llama()), "loss_function is <lambda>"),
     "a forward set on the model": (lambda: _patched_model_forward(llama()), "a forward of its own"),
     "a router loss on (config)": (lambda: mixtral(output_router_logits=True), "if output_router_logits:"),
+    "a branch returning another loss": (lambda: EarlyReturnLlama(llama().config).double(), "the branch `if self"),
+    "a returned loss other than the loss": (lambda: ReturnedSumLlama(llama().config).double(), "the return `return"),
+    "a class-level patch made with functools.wraps": (_patched_with_wraps, "wrapped by a function from"),
+    "the model's own __call__": (lambda: CalledLlama(llama().config).double(), "not torch's Module.__call__"),
+    "a pre-hook on the model": (lambda: _model_pre_hook(llama()), "it has module hooks"),
+    "an accelerate hook other than the device hook": (lambda: _accelerate_model_hook(llama()), "forward of its own"),
+    "num_items_in_batch to a loss call without **kwargs": (
+        lambda: NoKwargsLossLlama(llama().config).double(),
+        "does not pass on num_items_in_batch",
+        {"num_items_in_batch": 7},
+    ),
+    "PEFT adapter_names": (
+        lambda: _lora(llama(), target_modules=["q_proj"]),
+        "adapter_names",
+        {"adapter_names": ["default", "default"]},
+    ),
 }
 
 
@@ -463,15 +558,51 @@ REFUSED = {
 def test_causal_lm_loss_refuses_what_it_would_not_reproduce(lk, case):
     """Each of these models' losses differs from the fused loss on the head's weight: a ValueError naming why,
     raised before the decoder runs."""
-    make, match = REFUSED[case]
+    make, match, *call = REFUSED[case]
     model = make()
     ids, mask, labels = model_inputs()
     calls = []
     decoder = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder.model.register_forward_pre_hook(lambda *args: calls.append(1))
     with pytest.raises(ValueError, match=match):
-        lk.causal_lm_loss(model, ids, labels, attention_mask=mask)
+        lk.causal_lm_loss(model, ids, labels, attention_mask=mask, **(call[0] if call else {}))
     assert calls == []
+
+
+def test_causal_lm_loss_serves_a_loss_call_without_kwargs_when_nothing_is_passed_on(lk):
+    model = NoKwargsLossLlama(llama().config).double()
+    ids, mask, labels = model_inputs()
+    want = _causal_loss64(model(input_ids=ids, attention_mask=mask).logits, labels)
+    assert rel_err(lk.causal_lm_loss(model, ids, labels, attention_mask=mask), want) <= 1e-12
+
+
+def _reads_as_llama(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    hidden_states = outputs.last_hidden_state
+    logits = self.lm_head(hidden_states)
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+    return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def _edited(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    hidden_states = outputs.last_hidden_state
+    logits = self.lm_head(hidden_states) * 2
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+    return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_an_edited_forward_is_read_again(lk):
+    """The reading is kept per code object: a forward whose code is swapped in place (IPython's autoreload does
+    that on a file edit) is read again, and refused here (its new factor is a number, not a model attribute)."""
+    cls = type("EditedLlama", (LlamaForCausalLM,), {"forward": types.FunctionType(_reads_as_llama.__code__, {})})
+    assert lk._causal_lm.form_of(cls).problem is None
+    cls.forward.__code__ = _edited.__code__
+    assert "* 2" in lk._causal_lm.form_of(cls).problem
 
 
 def test_causal_lm_loss_refuses_under_a_global_module_hook(lk):

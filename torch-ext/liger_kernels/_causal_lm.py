@@ -24,6 +24,7 @@ model's.
 
 import ast
 import inspect
+import os
 import textwrap
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ class Form(NamedTuple):
     logit_factors: tuple = ()  # Factors on the logits, after the head
     softcap: tuple | None = None  # attribute chain of the softcapping value, applied when it is not None
     guards: tuple = ()  # (flag, config chain or None): blocks that run where the flag is true
+    loss_takes_kwargs: bool = True  # the loss call passes **kwargs on (num_items_in_batch, shift_labels...)
     problem: str | None = None  # why the model is refused
 
 
@@ -151,6 +153,7 @@ class _Reader:
             if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
                 continue  # docstring
             if isinstance(statement, ast.Return):
+                self.check_return(statement)
                 break
             if isinstance(statement, (ast.Assign, ast.AnnAssign)):
                 self.assign(statement)
@@ -172,7 +175,17 @@ class _Reader:
             logit_factors=factors,
             softcap=softcap,
             guards=tuple(self.form["guards"]),
+            loss_takes_kwargs=self.form["loss_takes_kwargs"],
         )
+
+    def check_return(self, statement: ast.Return):
+        """The output's ``loss=`` must be the loss computed above, as it is: ``return Output(loss=loss, ...)``."""
+        value = statement.value
+        if isinstance(value, ast.Call):
+            given = [k.value for k in value.keywords if k.arg == "loss"]
+            if len(given) == 1 and isinstance(given[0], ast.Name) and given[0].id == "loss":
+                return
+        raise _Unknown(f"the return `{_first_line(statement)}`")
 
     def assign(self, statement):
         targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
@@ -230,8 +243,8 @@ class _Reader:
 
     def branch(self, statement: ast.If):
         test = statement.test
-        if statement.body and isinstance(statement.body[-1], ast.Return) and not statement.orelse:
-            return  # a branch that only returns (the tuple outputs): the loss is what the other path computes
+        if _is_not_return_dict(test) and isinstance(statement.body[-1], ast.Return) and not statement.orelse:
+            return  # the tuple outputs (return_dict=False): the loss in them is the one computed above
         if statement.orelse:
             raise _Unknown(f"the branch `{_first_line(statement)}` with an else")
         if isinstance(test, ast.Name) and test.id in self.params:
@@ -248,7 +261,11 @@ class _Reader:
 
     def loss_call(self, body):
         if self.loss_found or len(body) != 1:
-            raise _Unknown("a loss other than `loss = self.loss_function(logits, labels, ...)` alone")
+            statement = body[1] if len(body) > 1 else body[0]
+            raise _Unknown(
+                f"`{_first_line(statement)}` under `if labels is not None:`, where only "
+                "`loss = self.loss_function(logits, labels, ...)` is followed"
+            )
         statement = body[0]
         value = statement.value if isinstance(statement, ast.Assign) else None
         if not (
@@ -261,10 +278,12 @@ class _Reader:
         given = dict(zip(("logits", "labels", "vocab_size"), value.args))
         if len(value.args) > 3:
             raise _Unknown(f"the loss `{_first_line(statement)}`")
+        self.form["loss_takes_kwargs"] = False
         for keyword in value.keywords:
             if keyword.arg is None:
                 if not (isinstance(keyword.value, ast.Name) and keyword.value.id == self.kwargs):
                     raise _Unknown(f"the loss argument `**{ast.unparse(keyword.value)}`")
+                self.form["loss_takes_kwargs"] = True
             elif keyword.arg in ("logits", "labels", "vocab_size"):
                 given[keyword.arg] = keyword.value
             else:
@@ -330,34 +349,68 @@ def _is_not_none(test, name) -> bool:
     )
 
 
+def _is_not_return_dict(test) -> bool:
+    return (
+        isinstance(test, ast.UnaryOp)
+        and isinstance(test.op, ast.Not)
+        and isinstance(test.operand, ast.Name)
+        and test.operand.id == "return_dict"
+    )
+
+
 def _first_line(node) -> str:
     return ast.unparse(node).splitlines()[0]
 
 
-_FORMS = {}  # forward function -> Form
+_FORMS = {}  # the forward's code object -> Form
 
 
 def form_of(cls) -> Form:
-    """How the CausalLM class ``cls`` computes its loss, read once per forward function."""
+    """How the CausalLM class ``cls`` computes its loss, read once per forward's code (an edited forward, as
+    IPython's autoreload swaps code objects, is read again)."""
     forward = getattr(cls, "forward", None)
-    known = _FORMS.get(forward)
+    try:
+        function = _unwrapped(forward)
+    except _Unknown as error:
+        return Form(problem=f"its forward is {error}, which causal_lm_loss would not read through")
+    code = getattr(function, "__code__", None)
+    known = _FORMS.get(code)
     if known is not None:
         return known
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-        function = tree.body[0]
-        if not isinstance(function, ast.FunctionDef) or not function.args.args:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        node = tree.body[0]
+        if not isinstance(node, ast.FunctionDef) or not node.args.args:
             raise _Unknown("a forward that is not a plain method")
-        for decorator in function.decorator_list:
+        for decorator in node.decorator_list:
             if ast.unparse(decorator) not in _HARMLESS_DECORATORS:
                 raise _Unknown(f"the decorator `@{ast.unparse(decorator)}`")
-        known = _Reader(function).read(function.body)
+        known = _Reader(node).read(node.body)
     except _Unknown as error:
         known = Form(problem=f"its forward holds {error}, which causal_lm_loss would not reproduce")
     except (OSError, TypeError, SyntaxError, ValueError) as error:  # no source to read, or an odd one
         known = Form(problem=f"its forward could not be read ({type(error).__name__}: {error})")
-    _FORMS[forward] = known
+    if code is not None:
+        _FORMS[code] = known
     return known
+
+
+def _unwrapped(function):
+    """The function under transformers' own decorators (``functools.wraps`` wrappers whose code is in
+    transformers); a wrapper from anywhere else (a patch that copies the original's name) is not read through."""
+    try:
+        import transformers
+
+        home = os.path.dirname(transformers.__file__) + os.sep
+    except ImportError:  # then no wrapper is transformers' own
+        home = None
+    while hasattr(function, "__wrapped__"):
+        code = getattr(function, "__code__", None)
+        if code is None or home is None or not code.co_filename.startswith(home):
+            where = code.co_filename if code is not None else type(function).__name__
+            raise _Unknown(f"wrapped by a function from {where}")
+        function = function.__wrapped__
+    return function
 
 
 # transformers' decorators on CausalLM forwards that change how outputs are packed or documented, not the loss.

@@ -107,15 +107,48 @@ def _served(model: nn.Module) -> nn.Module:
                     "compute model(...).loss instead"
                 )
             model = model.get_base_model()
+        elif isinstance(model, CausalLMWithFusedLoss):
+            model = model.model
         else:
             return model
 
 
-def _accelerate_wrapped(model) -> bool:
-    """accelerate's hooks (``device_map``, offload) set the instance's forward to one that moves tensors between
-    devices around the class's own: the model's math is still the class forward's."""
+def _distributed_wrapper(model) -> str | None:
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "DistributedDataParallel"
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return None
+    return "FullyShardedDataParallel" if isinstance(model, FullyShardedDataParallel) else None
+
+
+def _check_call(model) -> None:
+    """``model(...)`` must be the class's forward and nothing around it: no hook of the model's own (but the
+    engines' gathering ones), no global hook, no ``__call__`` of its own, no forward on the instance other than
+    accelerate's device hook, which moves tensors between devices around the class forward."""
+    cls = type(model)
+    if (
+        cls.__call__ is not nn.Module.__call__
+        or cls._call_impl is not nn.Module._call_impl
+        or "_call_impl" in vars(model)
+    ):
+        _refuse(model, "its call is not torch's Module.__call__ (a subclass or instance overrides it)")
+    if _hosts._hooks_anywhere(model, _engine_hook):
+        _refuse(model, "it has module hooks (or global ones), which run around model(...) and not here")
+    if "forward" in vars(model) and not _accelerate_device_hook(model):
+        _refuse(model, "its instance has a forward of its own (a patch of this model's call), which would not run")
+
+
+def _accelerate_device_hook(model) -> bool:
+    """accelerate's ``AlignDevicesHook`` (``device_map``, offload) on the model: its forward is the class's own,
+    with the inputs and outputs moved between devices."""
     old = getattr(model, "_old_forward", None)
-    return hasattr(model, "_hf_hook") and getattr(old, "__func__", None) is type(model).forward
+    hook = getattr(model, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or (hook,)  # a SequentialHook holds several
+    if getattr(old, "__func__", None) is not type(model).forward or hook is None:
+        return False
+    return all(type(h).__name__ == "AlignDevicesHook" and type(h).__module__ == "accelerate.hooks" for h in hooks)
 
 
 def _refuse(model, why: str):
@@ -129,10 +162,10 @@ def _is_one(value) -> bool:
     return isinstance(value, float) and value == 1.0
 
 
-def _number(model, path, what: str):
-    """The number at ``path``: a float, or a 0-d tensor (which then multiplies inside the graph)."""
+def _number(model, path, what: str, tensors: bool = True):
+    """The number at ``path``: a float, or (``tensors``) a 0-d tensor, which then multiplies inside the graph."""
     value = _causal_lm.value_at(model, path)
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
+    if tensors and isinstance(value, torch.Tensor) and value.dim() == 0:
         return value
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         _refuse(model, f"its {what} `self.{'.'.join(path)}` is {type(value).__name__}, not a number")
@@ -152,9 +185,9 @@ def _check_guards(model, form, kwargs) -> None:
         if value:
             _refuse(
                 model,
-                f"its forward adds a term under `if {flag}:` (a router's load-balancing loss), which the fused loss "
-                f"would leave out; pass {flag}=False and add that term from the decoder's outputs "
-                "(return_outputs=True)",
+                f"its forward runs a block under `if {flag}:` (an MoE's router loss, for one), which the fused loss "
+                f"would leave out; pass {flag}=False (and add that term from the decoder's outputs, "
+                "return_outputs=True)",
             )
 
 
@@ -182,8 +215,9 @@ def _check_head(model, head, name: str) -> None:
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in vars(head):
         _refuse(
             model,
-            f"its head `self.{name}` ({type(head).__name__}) is not a plain nn.Linear (an adapter, an offload hook or "
-            "layers around the projection would be skipped: the fused loss reads the weight and bias alone)",
+            f"its head `self.{name}` ({type(head).__name__}) is not called as a plain nn.Linear (an adapter, layers "
+            "around the projection, or a forward set on it, as accelerate's device hooks set one, would be skipped: "
+            "the fused loss reads the weight and bias alone)",
         )
     if _hosts._hooks_anywhere(head, _engine_hook):
         _refuse(model, f"its head `self.{name}` has module hooks (or global ones), which the fused loss would not call")
@@ -211,19 +245,26 @@ def causal_lm_loss(
     PyTorch: works with gradient checkpointing, tied embeddings, PEFT LoRA and ``torch.compile``d models (their
     decoders run as they are); under DDP/FSDP2 call it inside the wrapped module's forward
     (:class:`CausalLMWithFusedLoss`)."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
+    wrapper = _distributed_wrapper(model)
+    if wrapper is not None:
         raise TypeError(
-            "causal_lm_loss: `model` is wrapped in DistributedDataParallel, whose gradient synchronization only "
-            "covers its own forward; wrap CausalLMWithFusedLoss(model) in DDP instead"
+            f"causal_lm_loss: `model` is wrapped in {wrapper}, which gathers and synchronizes only around its own "
+            f"forward; wrap CausalLMWithFusedLoss(model) in {wrapper} instead"
         )
     if labels is None and shift_labels is None:
         raise ValueError("causal_lm_loss: pass `labels` or `shift_labels`")
     model = _served(model)
-    if "forward" in vars(model) and not _accelerate_wrapped(model):
-        _refuse(model, "its instance has a forward of its own (a patch of this model's call), which would not run")
+    _check_call(model)
     form = _causal_lm.form_of(type(model))
     if form.problem:
         _refuse(model, form.problem)
+    if not form.loss_takes_kwargs and (
+        num_items_in_batch is not None or shift_labels is not None or ignore_index != -100
+    ):
+        _refuse(model, "its forward's loss_function call does not pass on num_items_in_batch, shift_labels or "
+                       "ignore_index (no **kwargs), so the model's loss ignores them")  # fmt: skip
+    if kwargs.get("adapter_names") is not None:
+        _refuse(model, "PEFT's adapter_names (an adapter per row) is applied by the PEFT model's own forward")
     _check_guards(model, form, kwargs)
     _check_loss_function(model)
     head = _causal_lm.value_at(model, (form.head,))
@@ -233,13 +274,15 @@ def causal_lm_loss(
     for on_logits, factors in ((False, form.hidden_factors), (True, form.logit_factors)):
         for factor in factors:
             value = _number(model, factor.path, "scale")
+            if factor.divide and isinstance(value, float) and value == 0.0:
+                _refuse(model, f"its logits are divided by `self.{'.'.join(factor.path)}`, which is 0")
             value = 1.0 / value if factor.divide else value
             hidden_scale = hidden_scale * value
             if on_logits:
                 bias_scale = bias_scale * value
     softcap = None
     if form.softcap is not None and _causal_lm.value_at(model, form.softcap) is not None:
-        softcap = _number(model, form.softcap, "softcapping")
+        softcap = _number(model, form.softcap, "softcapping", tensors=False)
     kwargs.setdefault("use_cache", False)
     outputs = _causal_lm.value_at(model, form.decoder)(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
