@@ -265,6 +265,10 @@ MODEL_CASES = {
         lambda: tiny(T.OPTConfig, T.OPTForCausalLM, ffn_dim=64, word_embed_proj_dim=32, dropout=0.0),
         {},
     ),
+    "bloom: a decoder call without **kwargs": (
+        lambda: tiny(T.BloomConfig, T.BloomForCausalLM, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0),
+        {},
+    ),
     "gpt2: the decoder at transformer": (
         lambda: tiny(
             T.GPT2Config,
@@ -475,6 +479,69 @@ def _accelerate_model_hook(model):
     return model
 
 
+class UnmaskedDecoderLlama(LlamaForCausalLM):
+    """A decoder call that leaves the attention mask out."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class RenamedArgumentLlama(LlamaForCausalLM):
+    """A decoder argument under another parameter's name."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=attention_mask, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class KwargsToLossOnlyLlama(LlamaForCausalLM):
+    """``**kwargs`` handed to the loss but not the decoder: a keyword the call is given must not reach it."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class CalledHead(torch.nn.Linear):
+    def __call__(self, x):
+        return super().__call__(x) * 2
+
+
+def _called_head(model):
+    head = CalledHead(32, 97, bias=False, dtype=torch.float64)
+    head.weight = model.lm_head.weight
+    model.lm_head = head
+    return model
+
+
+def _hooked_peft(model):
+    peft_model = _lora(model, target_modules=["q_proj"])
+    peft_model.register_forward_pre_hook(lambda module, args, kwargs: (args, kwargs), with_kwargs=True)
+    return peft_model
+
+
+def _hooked_compiled(model):
+    compiled = torch.compile(model)
+    compiled.register_forward_hook(lambda module, args, out: out)
+    return compiled
+
+
 def _lora(model, **config):
     from peft import LoraConfig, get_peft_model
 
@@ -545,6 +612,24 @@ REFUSED = {
         lambda: NoKwargsLossLlama(llama().config).double(),
         "does not pass on num_items_in_batch",
         {"num_items_in_batch": 7},
+    ),
+    "a decoder call without the attention mask": (
+        lambda: UnmaskedDecoderLlama(llama().config).double(),
+        "without `attention_mask`",
+    ),
+    "a decoder argument renamed": (lambda: RenamedArgumentLlama(llama().config).double(), "position_ids=attention"),
+    "a keyword the forward keeps from its decoder": (
+        lambda: KwargsToLossOnlyLlama(llama().config).double(),
+        "does not hand `position_ids` to its decoder",
+        {"position_ids": torch.arange(12).expand(2, 12)},
+    ),
+    "logits_to_keep": (llama, "uses `logits_to_keep` itself", {"logits_to_keep": 4}),
+    "a head with its own __call__": (lambda: _called_head(llama()), "not called as a plain nn.Linear"),
+    "a hook on the PEFT model": (lambda: _hooked_peft(llama()), "it has module hooks"),
+    "a hook on the compiled model": (lambda: _hooked_compiled(llama()), "it has module hooks"),
+    "activated LoRA": (
+        lambda: _lora(llama(), target_modules=["q_proj"], alora_invocation_tokens=[5]),
+        "activated LoRA",
     ),
     "PEFT adapter_names": (
         lambda: _lora(llama(), target_modules=["q_proj"]),

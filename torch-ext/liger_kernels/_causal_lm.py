@@ -43,6 +43,8 @@ class Form(NamedTuple):
     softcap: tuple | None = None  # attribute chain of the softcapping value, applied when it is not None
     guards: tuple = ()  # (flag, config chain or None): blocks that run where the flag is true
     loss_takes_kwargs: bool = True  # the loss call passes **kwargs on (num_items_in_batch, shift_labels...)
+    decoder_parameters: frozenset = frozenset()  # the forward's parameters it hands the decoder by name
+    decoder_takes_kwargs: bool = True  # it hands the decoder its **kwargs too
     problem: str | None = None  # why the model is refused
 
 
@@ -176,6 +178,8 @@ class _Reader:
             softcap=softcap,
             guards=tuple(self.form["guards"]),
             loss_takes_kwargs=self.form["loss_takes_kwargs"],
+            decoder_parameters=self.form["decoder_parameters"],
+            decoder_takes_kwargs=self.form["decoder_takes_kwargs"],
         )
 
     def check_return(self, statement: ast.Return):
@@ -229,17 +233,31 @@ class _Reader:
         return False
 
     def _check_decoder_arguments(self, call):
-        known = self.params | set(self.flags)
-        for arg in call.args:
-            if not (isinstance(arg, ast.Name) and arg.id in known):
+        """The decoder gets what causal_lm_loss hands it: ``input_ids`` (as the first positional argument or by
+        name), ``attention_mask``, the forward's other parameters each under its own name, and ``**kwargs`` or
+        not (recorded: the call then passes only what the model's call would). A parameter renamed or computed
+        would change the decoder's inputs between the model's call and this one."""
+        given = set()
+        for i, arg in enumerate(call.args):
+            if not (i == 0 and isinstance(arg, ast.Name) and arg.id == "input_ids"):
                 raise _Unknown(f"the decoder argument `{ast.unparse(arg)}`")
+            given.add("input_ids")
+        passes_kwargs = False
         for keyword in call.keywords:
             value = keyword.value
             if keyword.arg is None:
                 if not (isinstance(value, ast.Name) and value.id == self.kwargs):
                     raise _Unknown(f"the decoder argument `**{ast.unparse(value)}`")
-            elif not (isinstance(value, ast.Name) and value.id in known):
+                passes_kwargs = True
+            elif not (isinstance(value, ast.Name) and value.id == keyword.arg and value.id in self.params):
                 raise _Unknown(f"the decoder argument `{keyword.arg}={ast.unparse(value)}`")
+            else:
+                given.add(keyword.arg)
+        missing = [n for n in ("input_ids", "attention_mask") if n not in given]
+        if missing:
+            raise _Unknown(f"the decoder call without `{missing[0]}`")
+        self.form["decoder_parameters"] = frozenset(given)
+        self.form["decoder_takes_kwargs"] = passes_kwargs
 
     def branch(self, statement: ast.If):
         test = statement.test

@@ -99,15 +99,20 @@ def _served(model: nn.Module) -> nn.Module:
     LoRA layers stay in place, so the decoder runs them); prompt learning is refused (it changes the inputs)."""
     while True:
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            # (its forward is the compiled call of the original: only hooks on it would run around that)
+            if _hosts._hooks_anywhere(model, _engine_hook):
+                _refuse(model, "it has module hooks, which run around model(...) and not here")
             model = model._orig_mod
         elif callable(getattr(model, "get_base_model", None)) and hasattr(model, "active_peft_config"):
-            if getattr(model.active_peft_config, "is_prompt_learning", False):
-                raise ValueError(
-                    "causal_lm_loss: the PEFT model uses prompt learning, which changes the decoder's inputs; "
-                    "compute model(...).loss instead"
-                )
+            config = model.active_peft_config
+            if getattr(config, "is_prompt_learning", False):
+                _refuse(model, "the PEFT model uses prompt learning, which changes the decoder's inputs")
+            if getattr(config, "alora_invocation_tokens", None) is not None:
+                _refuse(model, "its activated LoRA starts where the PEFT model's own forward finds it in input_ids")
+            _check_call(model)  # (accelerate's mixed-precision forward, for one, is set on the PEFT model)
             model = model.get_base_model()
         elif isinstance(model, CausalLMWithFusedLoss):
+            _check_call(model)
             model = model.model
         else:
             return model
@@ -191,6 +196,32 @@ def _check_guards(model, form, kwargs) -> None:
             )
 
 
+def _decoder_kwargs(model, form, kwargs) -> dict:
+    """What the model's forward hands its decoder of ``kwargs``: a parameter it passes by name, the rest where it
+    passes ``**kwargs`` on. A parameter it keeps for itself (``logits_to_keep``) must be at its default, and a
+    keyword it would not hand the decoder is refused: either would make this decoder call differ from the model's."""
+    parameters = inspect.signature(type(model).forward).parameters
+    passed = {}
+    for name, value in kwargs.items():
+        kept = parameters.get(name)
+        if name in form.decoder_parameters:
+            passed[name] = value
+        elif kept is not None and kept.kind is not inspect.Parameter.VAR_KEYWORD:
+            if value is not None and not (kept.default is not inspect.Parameter.empty and _same(value, kept.default)):
+                _refuse(model, f"its forward uses `{name}` itself, not in the decoder (pass it at its default)")
+        elif form.decoder_takes_kwargs:
+            passed[name] = value
+        else:
+            _refuse(model, f"its forward does not hand `{name}` to its decoder")
+    if "use_cache" in form.decoder_parameters or form.decoder_takes_kwargs:
+        passed.setdefault("use_cache", False)  # (no cache is built; the loss is the same either way)
+    return passed
+
+
+def _same(value, default) -> bool:
+    return type(value) is type(default) and not isinstance(value, torch.Tensor) and value == default
+
+
 def _check_loss_function(model) -> None:
     loss_function = getattr(model, "loss_function", None)
     try:
@@ -212,7 +243,15 @@ def _engine_hook(hook) -> bool:
 
 def _check_head(model, head, name: str) -> None:
     """The head's call must be exactly ``F.linear(hidden, weight, bias)``: what the fused loss computes."""
-    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or "forward" in vars(head):
+    cls = type(head)
+    own_call = cls.__call__ is not nn.Module.__call__ or cls._call_impl is not nn.Module._call_impl
+    if (
+        not isinstance(head, nn.Linear)
+        or cls.forward is not nn.Linear.forward
+        or own_call
+        or "forward" in vars(head)
+        or "_call_impl" in vars(head)
+    ):
         _refuse(
             model,
             f"its head `self.{name}` ({type(head).__name__}) is not called as a plain nn.Linear (an adapter, layers "
@@ -263,10 +302,12 @@ def causal_lm_loss(
     ):
         _refuse(model, "its forward's loss_function call does not pass on num_items_in_batch, shift_labels or "
                        "ignore_index (no **kwargs), so the model's loss ignores them")  # fmt: skip
-    if kwargs.get("adapter_names") is not None:
-        _refuse(model, "PEFT's adapter_names (an adapter per row) is applied by the PEFT model's own forward")
+    for name in ("adapter_names", "alora_offsets"):
+        if kwargs.get(name) is not None:
+            _refuse(model, f"PEFT's {name} is applied by the PEFT model's own forward")
     _check_guards(model, form, kwargs)
     _check_loss_function(model)
+    kwargs = _decoder_kwargs(model, form, kwargs)
     head = _causal_lm.value_at(model, (form.head,))
     _check_head(model, head, form.head)
     # (h s) W^T + b, then times t: (h s t) W^T + b t, with s the factors on the hidden states, t those on the logits
@@ -283,7 +324,6 @@ def causal_lm_loss(
     softcap = None
     if form.softcap is not None and _causal_lm.value_at(model, form.softcap) is not None:
         softcap = _number(model, form.softcap, "softcapping", tensors=False)
-    kwargs.setdefault("use_cache", False)
     outputs = _causal_lm.value_at(model, form.decoder)(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     if form.hidden_cast:
