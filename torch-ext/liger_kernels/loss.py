@@ -275,7 +275,8 @@ def causal_lm_loss(
 ):
     """The loss ``model(input_ids, attention_mask=..., labels=...).loss`` computes, for a stock transformers
     CausalLM, without the logits: the decoder the model's forward calls runs on the inputs (``kwargs`` go to it
-    too, e.g. ``position_ids`` or ``inputs_embeds``; ``use_cache`` defaults to False), then the fused linear
+    as the model's forward hands them on, e.g. ``position_ids`` or ``inputs_embeds``; ``use_cache`` defaults to
+    False), then the fused linear
     cross-entropy on its last hidden state and the head's weight and bias, with the scaling and softcapping the
     forward applies to the logits. The model's forward is read first (``_causal_lm``); a model whose loss is
     something else (another loss term, a head that is not a plain nn.Linear, a router loss turned on) is refused
