@@ -217,17 +217,8 @@ class _Reader:
         """``name = name if name is not None else self.config.<chain>``."""
         if not (isinstance(value, ast.IfExp) and name in self.params):
             return False
-        test, chain = value.test, self.path(value.orelse)
-        is_not_none = (
-            isinstance(test, ast.Compare)
-            and isinstance(test.left, ast.Name)
-            and test.left.id == name
-            and len(test.ops) == 1
-            and isinstance(test.ops[0], ast.IsNot)
-            and isinstance(test.comparators[0], ast.Constant)
-            and test.comparators[0].value is None
-        )
-        if is_not_none and isinstance(value.body, ast.Name) and value.body.id == name and chain:
+        chain = self.path(value.orelse)
+        if _is_not_none(value.test, name) and isinstance(value.body, ast.Name) and value.body.id == name and chain:
             self.flags[name] = chain
             return True
         return False

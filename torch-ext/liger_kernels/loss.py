@@ -132,17 +132,22 @@ def _check_call(model) -> None:
     """``model(...)`` must be the class's forward and nothing around it: no hook of the model's own (but the
     engines' gathering ones), no global hook, no ``__call__`` of its own, no forward on the instance other than
     accelerate's device hook, which moves tensors between devices around the class forward."""
-    cls = type(model)
-    if (
-        cls.__call__ is not nn.Module.__call__
-        or cls._call_impl is not nn.Module._call_impl
-        or "_call_impl" in vars(model)
-    ):
+    if _own_call(model):
         _refuse(model, "its call is not torch's Module.__call__ (a subclass or instance overrides it)")
     if _hosts._hooks_anywhere(model, _engine_hook):
         _refuse(model, "it has module hooks (or global ones), which run around model(...) and not here")
     if "forward" in vars(model) and not _accelerate_device_hook(model):
         _refuse(model, "its instance has a forward of its own (a patch of this model's call), which would not run")
+
+
+def _own_call(module) -> bool:
+    """Whether calling ``module`` is something other than torch's ``Module.__call__`` running its forward."""
+    cls = type(module)
+    return (
+        cls.__call__ is not nn.Module.__call__
+        or cls._call_impl is not nn.Module._call_impl
+        or "_call_impl" in vars(module)
+    )
 
 
 def _accelerate_device_hook(model) -> bool:
@@ -243,14 +248,11 @@ def _engine_hook(hook) -> bool:
 
 def _check_head(model, head, name: str) -> None:
     """The head's call must be exactly ``F.linear(hidden, weight, bias)``: what the fused loss computes."""
-    cls = type(head)
-    own_call = cls.__call__ is not nn.Module.__call__ or cls._call_impl is not nn.Module._call_impl
     if (
         not isinstance(head, nn.Linear)
-        or cls.forward is not nn.Linear.forward
-        or own_call
+        or type(head).forward is not nn.Linear.forward
+        or _own_call(head)
         or "forward" in vars(head)
-        or "_call_impl" in vars(head)
     ):
         _refuse(
             model,
