@@ -6,8 +6,10 @@ checkpointing on (non-reentrant), batch 1, forward + backward of the causal-LM l
 - ``peer_tiled``: the same plus the peer's ``LigerTiledSwiGLUMLP`` forward bound on every LlamaMLP (0.8.5 ships
   the class, but ``apply_liger_kernel_to_llama`` has no option for it); "n/a" without liger-kernel.
 - ``ours``: this package's tiled SwiGLU MLP bound on every LlamaMLP, its RMSNorm on every LlamaRMSNorm (when the
-  package has ``LigerRMSNorm``), its rotary as modeling_llama's ``apply_rotary_pos_emb`` (restored after), and the
+  package has ``LigerRMSNorm``), its rotary as modeling_llama's ``apply_rotary_pos_emb`` (restored after), its
+  sdpa attention (``register_sdpa_attention``: the backward split by KV heads, when the package has it), and the
   loss through ``causal_lm_loss`` (decoder, then the fused linear cross-entropy; no logits).
+- ``ours_sdpa``: ``ours`` with transformers' own sdpa attention, to show what the split backward buys.
 - ``ours_untiled``: ``ours`` with the fused (untiled) SwiGLU MLP, to show what tiling buys.
 
 Before measuring, a tiny float32 model checks that every variant's loss and weight gradients equal vanilla's
@@ -89,7 +91,7 @@ LLAMA3_8B = {
 TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 1000}  # fmt: skip
 
-VARIANTS = ("ours", "ours_untiled", "peer", "peer_tiled", "vanilla")
+VARIANTS = ("ours", "ours_sdpa", "ours_untiled", "peer", "peer_tiled", "vanilla")
 
 # Per phase: model, layers, fixed S, search start / step / cap. Quick mode: the tiny model on the CPU, with
 # out-of-memory simulated above a per-variant length so that the search and its recovery run too.
@@ -142,6 +144,7 @@ def _snapshot(model):
         "globals": {name: getattr(modeling_llama, name) for name in PATCHED_GLOBALS},
         "class_forward": type(model).__dict__["forward"],
         "instance": instance,
+        "attention": model.config._attn_implementation,
     }
 
 
@@ -150,6 +153,8 @@ def restore(model, saved) -> None:
     for name, value in saved["globals"].items():
         setattr(modeling_llama, name, value)
     type(model).forward = saved["class_forward"]
+    if model.config._attn_implementation != saved["attention"]:
+        model.set_attn_implementation(saved["attention"])
     for module in model.modules():
         for key in INSTANCE_KEYS:
             module.__dict__.pop(key, None)
@@ -183,12 +188,15 @@ def apply_variant(name: str, model, num_shards=None):
                 _bind(mlp, "_mlp_forward", PeerTiledSwiGLUMLP._mlp_forward)
                 _bind(mlp, "forward", PeerTiledSwiGLUMLP.forward)
         return stock_loss, saved, info
-    if name in ("ours", "ours_untiled"):
-        layer = lk.LigerTiledSwiGLUMLP if name == "ours" else lk.LigerSwiGLUMLP
+    if name in ("ours", "ours_sdpa", "ours_untiled"):
+        tiled = name != "ours_untiled"
+        layer = lk.LigerTiledSwiGLUMLP if tiled else lk.LigerSwiGLUMLP
         for mlp in mlps:
             _bind(mlp, "forward", layer.forward)
-            if num_shards is not None and name == "ours":  # the host attribute the tiled layer reads
+            if num_shards is not None and tiled:  # the host attribute the tiled layer reads
                 mlp.__dict__["num_shards"] = num_shards
+        if name != "ours_sdpa" and hasattr(lk, "register_sdpa_attention"):
+            model.set_attn_implementation(lk.register_sdpa_attention())
         if hasattr(lk, "LigerRMSNorm"):
             for norm in norms:
                 _bind(norm, "forward", lk.LigerRMSNorm.forward)
@@ -569,6 +577,7 @@ def _confirm(bench, model, phase, implied, step, config) -> list[dict]:
 def _env(device: str) -> dict:
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "device": device,
            "has_LigerRMSNorm": hasattr(lk, "LigerRMSNorm"), "variants": available_variants(),
+           "has_sdpa_attention": hasattr(lk, "register_sdpa_attention"),
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
            "gradient_checkpointing": "non-reentrant", "attention": "sdpa"}  # fmt: skip
     try:
@@ -590,11 +599,13 @@ def _env(device: str) -> dict:
 
 
 def run(budget_s: float = 300.0, only: str | None = None, device: str = "cuda", quick: bool = False,
-        out_path=None, confirm: bool = True, confirm_from: dict | None = None) -> dict:  # fmt: skip
+        out_path=None, confirm: bool = True, confirm_from: dict | None = None, variants=None,
+        search: bool = True) -> dict:  # fmt: skip
     """Everything above, as a JSON-serializable dict; no measurement starts once ``budget_s`` is spent (nor
     one predicted to outlast it). ``only``: "4layer" or "32layer". ``confirm``: False leaves out the step at
     the 32-layer model's implied largest S; ``confirm_from``: an earlier run's result, whose implied largest S
-    that step then takes, and nothing else runs."""
+    that step then takes, and nothing else runs. ``variants``: a subset to measure (all by default; every
+    variant is verified); ``search``: False leaves out the 4-layer model's largest-S search."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: use --device cpu --quick for the smoke test")
     bench = Bench(device, quick, budget_s, out_path)
@@ -614,11 +625,12 @@ def run(budget_s: float = 300.0, only: str | None = None, device: str = "cuda", 
         assert bench.result["verify"]["ok"], json.dumps(bench.result["verify"], indent=2)
         check = implied_max_tokens([(32768, 10 * GIB), (65536, 18 * GIB)], 141 * GIB, 16 * GIB, 4096)
         assert check["max_S"] == int((125 * GIB - 2 * GIB) / (8 * GIB / 32768)) // 4096 * 4096, check
-    variants = available_variants()
+    variants = [v for v in available_variants() if variants is None or v in variants]
     for i, name in enumerate(phases):
         # With both phases, the 4-layer one leaves 45% of the budget to the 32-layer one.
         bench.phase_deadline = bench.start + 0.55 * budget_s if len(phases) > 1 and i == 0 else bench.deadline
-        _phase(bench, name, specs[name], dtype, variants, confirm)
+        spec = specs[name] if search else {k: v for k, v in specs[name].items() if k not in ("start", "cap")}
+        _phase(bench, name, spec, dtype, variants, confirm and search)
     bench.result["elapsed_s"] = time.perf_counter() - bench.start
     bench.save()
     if quick:
@@ -713,12 +725,17 @@ def main():
     parser.add_argument("--no-confirm", action="store_true", help="leave out the step at the 32-layer implied S")
     parser.add_argument("--confirm-from", type=Path, metavar="RUN_JSON",
                         help="run only that step, at the implied S of this earlier run's 32-layer phase")  # fmt: skip
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="measure only these (all are verified)")
+    parser.add_argument(
+        "--no-search", action="store_true", help="fixed lengths only: no 4-layer search, no 32-layer confirming step"
+    )
     args = parser.parse_args()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
     source = json.loads(args.confirm_from.read_text()) if args.confirm_from else None
     result = run(args.budget, only=args.only, device=args.device, quick=args.quick, out_path=args.out,
-                 confirm=not args.no_confirm, confirm_from=source)  # fmt: skip
+                 confirm=not args.no_confirm, confirm_from=source, variants=args.variants,
+                 search=not args.no_search)  # fmt: skip
     print(markdown(result))
 
 

@@ -14,10 +14,12 @@ Reading order for a newcomer:
   _hosts.py, gated_mlp.py   what a host module computes, and the gated MLP math the layers run
   tiled_mlp.py           the tiled MLP (with _tiling, _replay, _tiled_gated, _grad_sums, _zero3 beside it)
   layers.py, mapping.py  the kernelize layers and the mapping that names them
+  attention.py           transformers' sdpa attention, its long causal backward split by KV heads
 """
 
 from . import (
     activations,
+    attention,
     cross_entropy,
     fused_linear_cross_entropy,
     geglu,
@@ -29,6 +31,7 @@ from . import (
     tiled_mlp,
 )
 from ._gated import gated_mul
+from .attention import register_sdpa_attention, sdpa_attention_forward
 from .cross_entropy import CrossEntropyOutput
 from .fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction, liger_fused_linear_cross_entropy
 from .geglu import LigerGELUMulFunction, gelu_mul
@@ -69,6 +72,7 @@ __all__ = [
     "LigerTiledSwiGLUMLP",
     "activations",
     "apply_tiled_mlp",
+    "attention",
     "causal_lm_loss",
     "cross_entropy",
     "fused_linear_cross_entropy",
@@ -83,8 +87,10 @@ __all__ = [
     "loss",
     "mapping",
     "register_kernel_mapping",
+    "register_sdpa_attention",
     "rms_norm",
     "rotary",
+    "sdpa_attention_forward",
     "silu_mul",
     "swiglu",
     "tiled_mlp",

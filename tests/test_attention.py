@@ -1,0 +1,306 @@
+"""attention.py: the grouped backward against one call and a float64 reference, the attention function in a
+model against transformers' sdpa, its refusals, and (GPU) the cuDNN path at real sizes."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from harness import rel_err
+
+
+def qkv(batch, seq, q_heads, kv_heads, dim, dtype=torch.float64, device="cpu", seed=0):
+    """q, k, v in transformers' layout ([B, S, H, D] memory seen as [B, H, S, D]), and an incoming gradient."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def make(heads):
+        return torch.randn(batch, seq, heads, dim, dtype=dtype, device=device, generator=g).transpose(1, 2)
+
+    q, k, v = (make(heads).requires_grad_() for heads in (q_heads, kv_heads, kv_heads))
+    return q, k, v, make(q_heads)
+
+
+def attention64(q, k, v, scale):
+    """Causal attention written out in float64, independent of any SDPA kernel."""
+    q, k, v = q.double(), k.double(), v.double()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
+
+
+SHAPES = [(2, 37, 8, 4, 16), (1, 64, 4, 4, 8), (3, 5, 6, 2, 4)]  # batch, S, query heads, KV heads, head dim
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_grouped_backward_equals_one_call_and_the_float64_reference(lk, shape):
+    batch, seq, q_heads, kv_heads, dim = shape
+    attention = lk.attention
+    q, k, v, d_out = qkv(*shape)
+    ref = attention64(q, k, v, 0.3)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), d_out)
+    results = {}
+    for groups in [g for g in range(1, kv_heads + 1) if kv_heads % g == 0]:
+        out = attention.GroupedCausalAttention.apply(q, k, v, 0.3, groups, attention.CPU_OPS)
+        grads = torch.autograd.grad(out, (q, k, v), d_out)
+        assert rel_err(out, ref) < 1e-13
+        for grad, want, t in zip(grads, ref_grads, (q, k, v)):
+            assert rel_err(grad, want) < 1e-12
+            assert grad.stride() == t.stride()  # the gradients keep the inputs' layout
+        results[groups] = (out, *grads)
+    for groups, got in results.items():  # splitting the backward by heads changes no bit
+        assert all(torch.equal(a, b) for a, b in zip(got, results[1])), groups
+
+
+def test_the_backward_splits_where_the_workspace_is_large(lk):
+    groups = lk.attention.backward_groups
+
+    def meta(*shape):
+        return torch.empty(*shape, device="meta")
+
+    # Llama-3-8B: 32 query heads over 8 KV heads of 128; 8 bytes of workspace per element of q
+    assert groups(meta(1, 32, 65536, 128), meta(1, 8, 65536, 128)) == 8  # 2 GiB: one KV head per call
+    assert groups(meta(1, 32, 16384, 128), meta(1, 8, 16384, 128)) == 2  # 512 MiB
+    assert groups(meta(1, 32, 8192, 128), meta(1, 8, 8192, 128)) == 1  # 256 MiB: one call
+    assert groups(meta(1, 32, 8192, 128), meta(1, 32, 8192, 128)) == 1  # no shared heads: 4 bytes an element
+    assert groups(meta(1, 32, 16384, 128), meta(1, 32, 16384, 128)) == 1
+    assert groups(meta(1, 32, 32768, 128), meta(1, 32, 32768, 128)) == 2
+    assert groups(meta(1, 12, 1 << 20, 64), meta(1, 3, 1 << 20, 64)) == 3  # at most one KV head per call
+
+
+def tiny_llama(device="cpu", dtype=torch.float64, seed=0, hidden=64, heads=8):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=2, vocab_size=128, attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype)
+
+
+def loss_and_grads(model, ids, mask=None):
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    return loss, torch.autograd.grad(loss, list(model.parameters()))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_model_on_the_registered_attention_equals_sdpa(lk, monkeypatch, grouped, padded, checkpointed):
+    """On the CPU the function is transformers' sdpa; with the grouped path forced (through the CPU ops) a model
+    still computes sdpa's loss and gradients, under gradient checkpointing too."""
+    attention = lk.attention
+    model = tiny_llama()
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :5] = 0
+    want_loss, want_grads = loss_and_grads(model, ids, mask)
+    calls = []
+    if grouped:
+        monkeypatch.setattr(attention, "CUDNN_OPS", attention.CPU_OPS)
+
+        # grouped wherever there is no mask (the checks that a call is cuDNN's are the GPU tests')
+        def grouped_without_mask(module, query, key, value, mask, *rest):
+            return 0 if mask is not None else calls.append(1) or 2
+
+        monkeypatch.setattr(attention, "_grouped_call", grouped_without_mask)
+    model.set_attn_implementation(lk.register_sdpa_attention("liger_sdpa_test"))
+    try:
+        loss, grads = loss_and_grads(model, ids, mask)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert rel_err(loss, want_loss) < 1e-14
+    assert max(rel_err(g, w) for g, w in zip(grads, want_grads)) < 1e-12
+    # padding gives sdpa's 4-D mask, which the grouped path never sees; without it every layer is grouped
+    # one call per layer, and one more in each checkpoint's recompute
+    assert len(calls) == ((4 if checkpointed else 2) if grouped and not padded else 0)
+
+
+def test_sdpa_mask_function_gives_none_for_a_causal_batch(lk):
+    """The grouped path needs the mask skipped: sdpa's mask function does that for an unpadded causal batch."""
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(attention_mask)
+        return lk.attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    model = tiny_llama()
+    name = lk.register_sdpa_attention("liger_sdpa_spy")
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, spy)
+    model.set_attn_implementation(name)
+    ids = torch.randint(0, 128, (2, 16))
+    model(input_ids=ids)
+    model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert seen and all(mask is None for mask in seen)
+
+
+def test_bad_masks_and_names_are_clear_errors(lk):
+    attention = lk.attention
+    model = tiny_llama()
+    q, k, v, _ = qkv(1, 8, 8, 2, 8)
+    module = model.model.layers[0].self_attn
+    with pytest.raises(ValueError, match="attention_mask.*4-D"):
+        attention.sdpa_attention_forward(module, q, k, v, torch.ones(1, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attention_mask"):
+        attention.sdpa_attention_forward(module, q, k, v, [[1] * 8])
+    for name in ("sdpa", "eager", "", None, 3):
+        with pytest.raises(ValueError, match="`name`"):
+            lk.register_sdpa_attention(name)
+    assert lk.register_sdpa_attention("liger_sdpa_twice") == lk.register_sdpa_attention("liger_sdpa_twice")
+
+
+def test_another_mask_function_is_a_clear_error(lk):
+    """transformers pairs an attention kernel loaded as "repo:function" with flash attention's mask function,
+    which gives None for a cached prefill that needs a mask: the function refuses to run under it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register("liger_sdpa_flash_masks", lk.sdpa_attention_forward)
+    AttentionMaskInterface.register("liger_sdpa_flash_masks", flash_attention_mask)
+    module = tiny_llama().model.layers[0].self_attn
+    q, k, v, _ = qkv(1, 8, 8, 2, 8)
+    lk.sdpa_attention_forward(module, q, k, v, None)  # the model's own "sdpa": sdpa's masks
+    module.config._attn_implementation = "liger_sdpa_flash_masks"
+    with pytest.raises(ValueError, match="flash_attention_mask.*register_sdpa_attention"):
+        lk.sdpa_attention_forward(module, q, k, v, None)
+
+
+def test_double_backward_is_a_clear_error(lk):
+    q, k, v, d_out = qkv(1, 6, 4, 2, 4)
+    out = lk.attention.GroupedCausalAttention.apply(q, k, v, 0.5, 2, lk.attention.CPU_OPS)
+    # raised at once: a gradient without a derivative could otherwise enter a penalty term as a constant
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out, (q, k, v), d_out, create_graph=True)
+    torch.autograd.grad(out, (q, k, v), d_out)  # the graph is intact: a plain backward still runs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU: the cuDNN path at Llama-3-8B's heads
+
+
+def _cuda_case(seq=16384):
+    return qkv(1, seq, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+
+
+def _transient_backward(out, inputs, d_out):
+    """The backward's gradients and the memory it held beyond them."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = torch.autograd.grad(out, inputs, d_out)
+    torch.cuda.synchronize()
+    return grads, torch.cuda.max_memory_allocated() - before - sum(g.numel() * g.element_size() for g in grads)
+
+
+GQA_MODULE = type("Attention", (), {"num_key_value_groups": 4, "is_causal": True})()
+
+
+@pytest.mark.gpu
+def test_cuda_grouped_backward_equals_the_cudnn_call_and_holds_a_quarter(lk):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    attention = lk.attention
+    q, k, v, d_out = _cuda_case(65536)
+    groups = attention._grouped_call(GQA_MODULE, q, k, v, None, 0.0, None, None, {})
+    assert groups == 8
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    want_grads, full_transient = _transient_backward(want, (q, k, v), d_out)
+    out = attention.GroupedCausalAttention.apply(q, k, v, None, groups, attention.CUDNN_OPS)
+    grads, transient = _transient_backward(out, (q, k, v), d_out)
+    assert torch.equal(out, want)  # the same forward call
+    assert torch.equal(grads[1], want_grads[1]) and torch.equal(grads[2], want_grads[2])
+    assert rel_err(grads[0], want_grads[0]) < 1e-2  # dq: cuDNN's fp32 atomics sum in no fixed order
+    # 2056 MiB for one call, 450 MiB measured for eight (one group's workspace and its share of the gradients)
+    assert transient < 0.25 * full_transient, (transient, full_transient)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [2, 8])
+def test_cuda_grouped_dq_is_as_close_to_float64_as_the_cudnn_call(lk, groups):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    attention = lk.attention
+    q, k, v, d_out = _cuda_case(2048)
+    ref_grads = torch.autograd.grad(attention64(q, k, v, 128**-0.5), (q, k, v), d_out.double())
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    want_grads = torch.autograd.grad(want, (q, k, v), d_out)
+    out = attention.GroupedCausalAttention.apply(q, k, v, None, groups, attention.CUDNN_OPS)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    for got, cudnn, ref in zip(grads, want_grads, ref_grads):
+        assert rel_err(got, ref) < 1.05 * rel_err(cudnn, ref) + 1e-4
+
+
+@pytest.mark.gpu
+def test_cuda_grouped_path_is_taken_only_where_it_is_the_cudnn_call(lk):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    decide = lk.attention._grouped_call
+    module = GQA_MODULE
+    q, k, v, _ = _cuda_case()
+    assert decide(module, q, k, v, None, 0.0, None, None, {}) == 2
+    mask = torch.ones(1, 1, q.shape[2], q.shape[2], dtype=torch.bool, device="cuda")
+    assert decide(module, q, k, v, mask, 0.0, None, None, {}) == 0
+    assert decide(module, q, k, v, None, 0.1, None, None, {}) == 0
+    assert decide(module, q, k, v, None, 0.0, None, False, {}) == 0
+    assert decide(module, q, k, v, None, 0.0, None, None, {"softcap": 30.0}) == 0
+    assert decide(module, q[:, :, :-1], k, v, None, 0.0, None, None, {}) == 0
+    assert decide(type("NoGroups", (), {})(), q, k, v, None, 0.0, None, None, {}) == 0
+    with torch.no_grad():
+        assert decide(module, q, k, v, None, 0.0, None, None, {}) == 0
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # PyTorch would not run cuDNN
+        assert decide(module, q, k, v, None, 0.0, None, None, {}) == 0
+    with torch.autocast("cuda", dtype=torch.float16):  # sdpa would cast to fp16
+        assert decide(module, q, k, v, None, 0.0, None, None, {}) == 0
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert decide(module, q, k, v, None, 0.0, None, None, {}) == 2
+    # torch.func: the stock call (the Function has no functorch rules), even where the split would be taken
+    q_func, k_func, v_func, _ = qkv(1, 256, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    saved, lk.attention.MAX_GROUP_WORKSPACE = lk.attention.MAX_GROUP_WORKSPACE, 1
+    try:
+        assert decide(module, q_func, k_func, v_func, None, 0.0, None, None, {}) == 8
+        grad = torch.func.grad(
+            lambda q: lk.sdpa_attention_forward(module, q, k_func.detach(), v_func.detach(), None)[0].float().sum()
+        )(q_func.detach())
+    finally:
+        lk.attention.MAX_GROUP_WORKSPACE = saved
+    assert grad.shape == q_func.shape
+    q32, k32, v32, _ = qkv(1, 4096, 32, 8, 128, dtype=torch.float32, device="cuda")
+    assert decide(module, q32, k32, v32, None, 0.0, None, None, {}) == 0
+    q_small, k_small, v_small, _ = qkv(1, 2048, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    assert decide(module, q_small, k_small, v_small, None, 0.0, None, None, {}) == 0  # one group: the stock call
+
+
+@pytest.mark.gpu
+def test_cuda_llama_on_the_registered_attention_equals_sdpa(lk):
+    model = tiny_llama(device="cuda", dtype=torch.bfloat16, hidden=512, heads=4)  # heads of 128, as cuDNN takes
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 128, (1, 4096), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    reference = copy.deepcopy(model).double()
+    want_loss, want_grads = loss_and_grads(model, ids)
+    ref_loss, ref_grads = loss_and_grads(reference, ids)
+    model.set_attn_implementation(lk.register_sdpa_attention())
+    calls = []
+    original = lk.attention.GroupedCausalAttention.apply
+    lk.attention.MAX_GROUP_WORKSPACE, saved = 2**20, lk.attention.MAX_GROUP_WORKSPACE  # split at this size too
+    try:
+        lk.attention.GroupedCausalAttention.apply = lambda *a: calls.append(a[4]) or original(*a)
+        loss, grads = loss_and_grads(model, ids)
+    finally:
+        lk.attention.GroupedCausalAttention.apply = original
+        lk.attention.MAX_GROUP_WORKSPACE = saved
+        model.set_attn_implementation("sdpa")
+    assert calls and all(groups == 2 for groups in calls)  # both KV heads split, in every layer's call
+    assert torch.equal(loss, want_loss)
+    for got, want, ref in zip(grads, want_grads, ref_grads):
+        assert rel_err(got, ref) < 1.1 * rel_err(want, ref) + 1e-3

@@ -1,0 +1,243 @@
+"""transformers' sdpa attention, with the long causal training call's backward run one group of KV heads at a
+time: the same cuDNN kernels, a fraction of their workspace.
+
+The backward of one cuDNN SDPA call keeps, besides its outputs, an fp32 accumulator for dq (4 bytes per element
+of q) and, where KV heads are shared (grouped-query attention), dk and dv expanded to every query head in 16
+bits (4 bytes more): 2056 MiB at 65,536 tokens for Llama-3-8B's 32 query heads of 128, 4112 MiB at 131,072
+(benchmarks/NOTES.md §26). Heads never mix in attention, so the backward of each group of KV heads with its
+query heads is the full call's backward restricted to those heads: the same kernels give the same dk and dv,
+and dq up to the order of cuDNN's own fp32 atomic accumulation. Run per group, the workspace is one group's.
+The forward stays one call (split by heads, cuDNN's forward lost 4% to its tail at 8 groups; the backward's
+split costs nothing measurable).
+
+Use it as an attention implementation (``register_sdpa_attention``). Every call that is not a long causal
+training call, with no mask, on CUDA tensors for which PyTorch itself would choose cuDNN, is transformers' own
+``sdpa_attention_forward``, unchanged.
+"""
+
+import types
+
+import torch
+
+from . import _backend
+
+aten = torch.ops.aten
+
+# Bytes of the backward's workspace per element of q: the fp32 dq accumulator, and dk, dv expanded to the query
+# heads in 16 bits where KV heads are shared. A call is split when the workspace exceeds this per group.
+DQ_ACCUMULATOR_BYTES = 4
+SHARED_KV_EXPANSION_BYTES = 4
+MAX_GROUP_WORKSPACE = 256 * 2**20
+
+_CUDNN = int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION.value)
+
+
+def backward_groups(query: torch.Tensor, key: torch.Tensor) -> int:
+    """The fewest groups of KV heads (a divisor of their count) whose backward workspace each stays within
+    ``MAX_GROUP_WORKSPACE``; one KV head per group at most."""
+    kv_heads = key.shape[1]
+    per_element = DQ_ACCUMULATOR_BYTES + (SHARED_KV_EXPANSION_BYTES if query.shape[1] != kv_heads else 0)
+    workspace = query.numel() * per_element
+    for groups in range(1, kv_heads + 1):
+        if kv_heads % groups == 0 and workspace <= groups * MAX_GROUP_WORKSPACE:
+            return groups
+    return kv_heads
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The ops: cuDNN's (what F.scaled_dot_product_attention runs when it chooses cuDNN), and the CPU flash ops with
+# the same contract, through which the tests check the grouping itself on the CPU in float64.
+
+
+def _cudnn_forward(query, key, value, scale):
+    out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+        query, key, value, None, True, 0.0, True, False, scale=scale
+    )
+    return out, lse, (seed, offset)
+
+
+def _cudnn_backward(d_out, query, key, value, out, lse, state, scale):
+    seed, offset = state
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        d_out, query, key, value, out, lse, seed, offset, None, None, None, query.shape[2], key.shape[2], 0.0, True,
+        scale=scale,
+    )  # fmt: skip
+
+
+def _cpu_forward(query, key, value, scale):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_backward(d_out, query, key, value, out, lse, state, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        d_out, query, key, value, out, lse, 0.0, True, scale=scale
+    )
+
+
+CUDNN_OPS = (_cudnn_forward, _cudnn_backward)
+CPU_OPS = (_cpu_forward, _cpu_backward)
+
+
+def _new_in_layout_of(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor with ``t``'s shape, dtype, device and memory layout (``empty_like``'s)."""
+    stride = torch.empty_like(t, device="meta").stride()
+    return _backend.new_strided(t.shape, stride, t.dtype, t.device)
+
+
+class GroupedCausalAttention(torch.autograd.Function):
+    """Causal attention of ``query`` [B, Hq, S, D] over ``key`` and ``value`` [B, Hkv, S, D] (Hq a multiple of
+    Hkv): one forward call of ``ops``, and its backward one call per group of ``groups`` groups of KV heads."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale, groups, ops):
+        out, lse, state = ops[0](query, key, value, scale)
+        ctx.save_for_backward(query, key, value, out, lse, *state)
+        ctx.scale, ctx.groups, ctx.ops = scale, groups, ops
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        if torch.is_grad_enabled():  # create_graph: the gradients would have no derivative of their own
+            raise RuntimeError(
+                "sdpa_attention_forward: double backward through the grouped attention is not supported (cuDNN's "
+                "attention backward has no derivative either); use attn_implementation='eager' for it"
+            )
+        query, key, value, out, lse, *state = ctx.saved_tensors
+        if d_out.stride() != out.stride():  # the kernels read d_out in out's layout
+            d_out = torch.empty_like(out).copy_(d_out)
+        d_query, d_key, d_value = (_new_in_layout_of(t) for t in (query, key, value))
+        q_heads, kv_heads = query.shape[1] // ctx.groups, key.shape[1] // ctx.groups
+        for group in range(ctx.groups):
+            q = slice(group * q_heads, (group + 1) * q_heads)
+            kv = slice(group * kv_heads, (group + 1) * kv_heads)
+            grads = ctx.ops[1](
+                d_out[:, q], query[:, q], key[:, kv], value[:, kv], out[:, q], lse[:, q].contiguous(), state, ctx.scale
+            )
+            for whole, part, heads in zip((d_query, d_key, d_value), grads, (q, kv, kv)):
+                whole[:, heads] = part
+        return d_query, d_key, d_value, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The attention-interface function.
+
+
+def _grouped_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs) -> int:
+    """The number of backward groups where this call is one the grouped path reproduces exactly, else 0: what
+    transformers' ``sdpa_attention_forward`` would run as ``F.scaled_dot_product_attention(query, key, value,
+    dropout_p=0, scale=scaling, is_causal=True[, enable_gqa=True])`` with autograd recording, on CUDA tensors
+    for which PyTorch itself chooses cuDNN; and whose backward needs more than one group."""
+    if attention_mask is not None or dropout != 0 or not torch.is_grad_enabled():
+        return 0
+    if any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "cache")):
+        return 0
+    if not (query.requires_grad or key.requires_grad or value.requires_grad):
+        return 0
+    if (
+        torch.compiler.is_compiling()
+        or _backend.exporting()
+        or _backend.forward_ad_active()
+        or torch._C._are_functorch_transforms_active()
+    ):
+        return 0  # compiled and exported graphs, forward-mode AD and torch.func keep the stock call
+    tensors = (query, key, value)
+    if any(type(t) is not torch.Tensor or not t.is_cuda or t.dim() != 4 for t in tensors):
+        return 0
+    if query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype or value.dtype != query.dtype:
+        return 0
+    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") != query.dtype:
+        return 0  # sdpa would run in autocast's dtype
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q_len = query.shape[2]
+    if not (causal and q_len > 1 and key.shape[2] == q_len == value.shape[2]):
+        return 0
+    q_heads, kv_heads = query.shape[1], key.shape[1]
+    if value.shape[1] != kv_heads or q_heads % kv_heads or not query.shape[0] == key.shape[0] == value.shape[0]:
+        return 0
+    shared = q_heads != kv_heads
+    # transformers passes enable_gqa only for a module that declares its groups and head dims sdpa takes
+    # (it repeats k and v otherwise: the same attention, which may run other kernels)
+    if shared and not (
+        getattr(module, "num_key_value_groups", 1) == q_heads // kv_heads and key.shape[-1] == value.shape[-1] <= 256
+    ):
+        return 0
+    if torch._fused_sdp_choice(query, key, value, None, 0.0, True, scale=scaling, enable_gqa=shared) != _CUDNN:
+        return 0
+    groups = backward_groups(query, key)
+    return groups if groups > 1 else 0
+
+
+def sdpa_attention_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):  # fmt: skip
+    """transformers' ``sdpa_attention_forward`` (the attention interface's signature and result), whose long
+    causal training calls run their backward one group of KV heads at a time (see the module's docstring).
+    ``attention_mask`` must be sdpa's (4-D, or None where sdpa's mask function skips it): register the function
+    with ``register_sdpa_attention``, which pairs it with that mask function."""
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4):
+        raise ValueError(
+            "sdpa_attention_forward: `attention_mask` must be sdpa's 4-D mask or None, got "
+            + (f"a {attention_mask.dim()}-D tensor" if isinstance(attention_mask, torch.Tensor) else
+               type(attention_mask).__name__)
+            + "; register the function with lk.register_sdpa_attention(), which pairs it with sdpa's mask"
+        )  # fmt: skip
+    _check_mask_function(module)
+    groups = _grouped_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    if groups:
+        out = GroupedCausalAttention.apply(query, key, value, scaling, groups, CUDNN_OPS)
+        return out.transpose(1, 2).contiguous(), None
+    return _transformers().stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 is_causal=is_causal, **kwargs)  # fmt: skip
+
+
+_TRANSFORMERS = None
+
+
+def _transformers():
+    """transformers' sdpa function and mask registry, imported at the first call (the package does not need
+    transformers to load) and kept: its lazy modules cost tens of µs per import statement."""
+    global _TRANSFORMERS
+    if _TRANSFORMERS is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as stock
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        _TRANSFORMERS = types.SimpleNamespace(stock=stock, masks=ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask=sdpa_mask)
+    return _TRANSFORMERS
+
+
+def _check_mask_function(module) -> None:
+    """The masks a model hands over are those of the mask function registered under its attention name. Another
+    function's than sdpa's (as transformers pairs with an attention kernel loaded by "repo:function" name: flash
+    attention's, None for any unpadded batch, also where a cached prefix needs a mask) would be read as sdpa's
+    without an error: refused."""
+    name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if not isinstance(name, str):
+        return
+    found = _transformers()
+    mask_function = found.masks.get(name)
+    if mask_function is not None and mask_function is not found.sdpa_mask:
+        raise ValueError(
+            f"sdpa_attention_forward: the attention implementation {name!r} builds its masks with "
+            f"{getattr(mask_function, '__name__', mask_function)!r}, not sdpa's; register it with "
+            "lk.register_sdpa_attention(), which pairs it with sdpa's mask function"
+        )
+
+
+def register_sdpa_attention(name: str = "liger_sdpa") -> str:
+    """Registers ``sdpa_attention_forward`` with transformers under ``name``, with sdpa's mask function, and
+    returns ``name``: ``model.set_attn_implementation(lk.register_sdpa_attention())``, or
+    ``from_pretrained(..., attn_implementation=lk.register_sdpa_attention())``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    registered = AttentionInterface()  # ("eager" is not in it: the models call their own eager attention)
+    if (
+        not isinstance(name, str)
+        or name in ("", "eager")
+        or (name in registered and registered[name] is not sdpa_attention_forward)
+    ):
+        raise ValueError(f"register_sdpa_attention: `name` must be a name no other attention has, got {name!r}")
+    AttentionInterface.register(name, sdpa_attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
