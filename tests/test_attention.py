@@ -142,19 +142,34 @@ def test_sdpa_mask_function_gives_none_for_a_causal_batch(lk):
     assert seen and all(mask is None for mask in seen)
 
 
-def test_bad_masks_and_names_are_clear_errors(lk):
-    attention = lk.attention
-    model = tiny_llama()
-    q, k, v, _ = qkv(1, 8, 8, 2, 8)
-    module = model.model.layers[0].self_attn
-    with pytest.raises(ValueError, match="attention_mask.*4-D"):
-        attention.sdpa_attention_forward(module, q, k, v, torch.ones(1, 8, dtype=torch.bool))
-    with pytest.raises(ValueError, match="attention_mask"):
-        attention.sdpa_attention_forward(module, q, k, v, [[1] * 8])
-    for name in ("sdpa", "eager", "", None, 3):
+def test_masks_of_any_rank_are_sdpas_and_bad_names_are_clear_errors(lk):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as stock
+
+    module = tiny_llama().model.layers[0].self_attn
+    q, k, v, _ = qkv(2, 8, 8, 2, 8)
+    for mask in (torch.ones(8, 8, dtype=torch.bool).tril(), torch.rand(2, 1, 8, 8)):  # broadcast as sdpa does
+        assert torch.equal(lk.sdpa_attention_forward(module, q, k, v, mask)[0], stock(module, q, k, v, mask)[0])
+    for name in ("sdpa", "eager", "liger", "", None, 3, "paged|liger_sdpa", "org/liger_sdpa", "repo:liger_sdpa"):
         with pytest.raises(ValueError, match="`name`"):
             lk.register_sdpa_attention(name)
     assert lk.register_sdpa_attention("liger_sdpa_twice") == lk.register_sdpa_attention("liger_sdpa_twice")
+
+
+@pytest.mark.parametrize("keyword", ["s_aux", "sinks", "indices", "block_indices"])
+def test_what_sdpa_does_not_apply_is_a_clear_error(lk, keyword):
+    """GPT-OSS's attention sinks, DeepSeek-V3.2's sparse selection: models that hand these to an attention other
+    than "sdpa" expect it to apply them, which transformers' sdpa would not."""
+    module = tiny_llama().model.layers[0].self_attn
+    q, k, v, _ = qkv(1, 8, 8, 2, 8)
+    with pytest.raises(ValueError, match=f"`{keyword}`"):
+        lk.sdpa_attention_forward(module, q, k, v, None, **{keyword: torch.zeros(8)})
+
+
+def test_groups_must_divide_the_kv_heads(lk):
+    q, k, v, _ = qkv(1, 8, 8, 2, 8)
+    for groups in (0, 3, 2.0, None):
+        with pytest.raises(ValueError, match="`groups`"):
+            lk.attention.GroupedCausalAttention.apply(q, k, v, None, groups, lk.attention.CPU_OPS)
 
 
 def test_another_mask_function_is_a_clear_error(lk):
@@ -165,11 +180,15 @@ def test_another_mask_function_is_a_clear_error(lk):
 
     AttentionInterface.register("liger_sdpa_flash_masks", lk.sdpa_attention_forward)
     AttentionMaskInterface.register("liger_sdpa_flash_masks", flash_attention_mask)
+    AttentionInterface.register("liger_sdpa_no_masks", lk.sdpa_attention_forward)  # no mask even for padding
     module = tiny_llama().model.layers[0].self_attn
     q, k, v, _ = qkv(1, 8, 8, 2, 8)
     lk.sdpa_attention_forward(module, q, k, v, None)  # the model's own "sdpa": sdpa's masks
     module.config._attn_implementation = "liger_sdpa_flash_masks"
     with pytest.raises(ValueError, match="flash_attention_mask.*register_sdpa_attention"):
+        lk.sdpa_attention_forward(module, q, k, v, None)
+    module.config._attn_implementation = "liger_sdpa_no_masks"
+    with pytest.raises(ValueError, match="no mask function.*register_sdpa_attention"):
         lk.sdpa_attention_forward(module, q, k, v, None)
 
 
@@ -258,6 +277,14 @@ def test_cuda_grouped_path_is_taken_only_where_it_is_the_cudnn_call(lk):
     with torch.no_grad():
         assert decide(module, q, k, v, None, 0.0, None, None, {}) == 0
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # PyTorch would not run cuDNN
+        assert decide(module, q, k, v, None, 0.0, None, None, {}) == 0
+    patched = F.scaled_dot_product_attention
+    try:  # context parallelism's ring attention patches F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = lambda *args, **kwargs: patched(*args, **kwargs)
+        assert decide(module, q, k, v, None, 0.0, None, None, {}) == 0
+    finally:
+        F.scaled_dot_product_attention = patched
+    with torch.overrides.TorchFunctionMode():  # a mode would see the stock call's ops
         assert decide(module, q, k, v, None, 0.0, None, None, {}) == 0
     with torch.autocast("cuda", dtype=torch.float16):  # sdpa would cast to fp16
         assert decide(module, q, k, v, None, 0.0, None, None, {}) == 0

@@ -442,6 +442,23 @@ class NoKwargsLossLlama(LlamaForCausalLM):
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
+class LiteralVocabLlama(LlamaForCausalLM):
+    """The loss told a vocabulary size the reading cannot check against the head."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, 100, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def _vocab_told(model, vocab_size):
+    model.config.vocab_size = vocab_size  # the head keeps its rows: model(...).loss views the logits otherwise
+    return model
+
+
 def _doubled_loss(self, *args, **kwargs):
     output = LlamaForCausalLM.forward(self, *args, **kwargs)
     output.loss = output.loss * 2
@@ -624,6 +641,14 @@ REFUSED = {
         {"position_ids": torch.arange(12).expand(2, 12)},
     ),
     "logits_to_keep": (llama, "uses `logits_to_keep` itself", {"logits_to_keep": 4}),
+    "a loss told another vocab_size than the head's": (
+        lambda: _vocab_told(llama(), SIZES["vocab_size"] // 2),
+        "vocab_size `self.config.vocab_size` = .* while its head has",
+    ),
+    "a loss told a vocab_size the reading cannot check": (
+        lambda: LiteralVocabLlama(llama().config).double(),
+        "the loss's vocab_size",
+    ),
     "a head with its own __call__": (lambda: _called_head(llama()), "not called as a plain nn.Linear"),
     "a hook on the PEFT model": (lambda: _hooked_peft(llama()), "it has module hooks"),
     "a hook on the compiled model": (lambda: _hooked_compiled(llama()), "it has module hooks"),
@@ -766,6 +791,9 @@ def test_forms_read_from_transformers_classes(lk):
     form_of = lk._causal_lm.form_of
     llama_form = form_of(LlamaForCausalLM)
     assert (llama_form.decoder, llama_form.head, llama_form.problem) == (("model",), "lm_head", None)
+    assert llama_form.vocab_size == ("config", "vocab_size")  # checked against the head's outputs at the call
+    # a link "name()" is called: `self.config.get_text_config().vocab_size`, as two multimodal forwards tell it
+    assert lk._causal_lm.value_at(llama(), ("config", "get_text_config()", "vocab_size")) == SIZES["vocab_size"]
     assert form_of(Gemma2ForCausalLM).softcap == ("config", "final_logit_softcapping")
     assert form_of(T.MixtralForCausalLM).guards == (("output_router_logits", ("config", "output_router_logits")),)
     assert form_of(T.OPTForCausalLM).decoder == ("model", "decoder")

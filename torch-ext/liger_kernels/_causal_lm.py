@@ -45,6 +45,7 @@ class Form(NamedTuple):
     loss_takes_kwargs: bool = True  # the loss call passes **kwargs on (num_items_in_batch, shift_labels...)
     decoder_parameters: frozenset = frozenset()  # the forward's parameters it hands the decoder by name
     decoder_takes_kwargs: bool = True  # it hands the decoder its **kwargs too
+    vocab_size: tuple | None = None  # attribute chain of the vocab_size the loss is told (None: the logits' own)
     problem: str | None = None  # why the model is refused
 
 
@@ -53,10 +54,15 @@ class _Unknown(Exception):
 
 
 def value_at(model, path):
-    """The value at attribute chain ``path`` from ``model`` (None where a link is missing)."""
+    """The value at attribute chain ``path`` from ``model`` (None where a link is missing); a link "name()" is
+    the method called without arguments."""
     value = model
     for name in path:
-        value = getattr(value, name, None)
+        if name.endswith("()"):
+            method = getattr(value, name[:-2], None)
+            value = method() if callable(method) else None
+        else:
+            value = getattr(value, name, None)
         if value is None:
             return None
     return value
@@ -180,6 +186,7 @@ class _Reader:
             loss_takes_kwargs=self.form["loss_takes_kwargs"],
             decoder_parameters=self.form["decoder_parameters"],
             decoder_takes_kwargs=self.form["decoder_takes_kwargs"],
+            vocab_size=self.form.get("vocab_size"),
         )
 
     def check_return(self, statement: ast.Return):
@@ -304,6 +311,24 @@ class _Reader:
         if term[0] != "logits":
             raise _Unknown(f"the loss on `{ast.unparse(logits)}`")
         self.form["logits"] = term
+        # transformers' loss views the logits as rows of vocab_size: a head of another width is not its loss
+        vocab = given.get("vocab_size")
+        if vocab is not None and self.path(vocab) is not None:
+            self.form["vocab_size"] = self.path(vocab)
+        elif (  # self.config.get_text_config().vocab_size
+            isinstance(vocab, ast.Attribute)
+            and isinstance(vocab.value, ast.Call)
+            and not vocab.value.args
+            and not vocab.value.keywords
+            and self.path(vocab.value.func) == ("config", "get_text_config")
+        ):
+            self.form["vocab_size"] = ("config", "get_text_config()", vocab.attr)
+        elif not (
+            vocab is not None
+            and isinstance(vocab, ast.Subscript)
+            and ast.unparse(vocab) in (f"{ast.unparse(logits)}.shape[-1]", "logits.shape[-1]")
+        ):
+            raise _Unknown(f"the loss's vocab_size in `{_first_line(statement)}`")
         self.loss_found = True
 
     def _is_softcap(self, body, cap) -> bool:

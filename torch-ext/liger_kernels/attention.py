@@ -30,6 +30,16 @@ SHARED_KV_EXPANSION_BYTES = 4
 MAX_GROUP_WORKSPACE = 256 * 2**20
 
 _CUDNN = int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION.value)
+_SDPA = torch._C._nn.scaled_dot_product_attention  # what F.scaled_dot_product_attention is, unpatched
+# Keywords a model hands the attention for what transformers' sdpa does not compute (attention sinks, a sparse
+# attention's selection): under the name "sdpa" such models mask the scores themselves or refuse sdpa.
+UNSUPPORTED_KEYWORDS = ("s_aux", "sinks", "indices", "block_indices")
+
+
+def _modes_active() -> bool:
+    """A torch-function or dispatch mode (a tracer, a profiler of ops, a sharding dispatcher) would see the
+    stock call's ops, not these."""
+    return torch._C._len_torch_function_stack() > 0 or torch._C._len_torch_dispatch_stack() > 0
 
 
 def backward_groups(query: torch.Tensor, key: torch.Tensor) -> int:
@@ -91,6 +101,11 @@ class GroupedCausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, scale, groups, ops):
+        if type(groups) is not int or groups < 1 or key.shape[1] % groups or query.shape[1] % key.shape[1]:
+            raise ValueError(
+                f"GroupedCausalAttention: `groups` must be a positive divisor of the {key.shape[1]} KV heads (and "
+                f"the {query.shape[1]} query heads a multiple of them), got {groups!r}"
+            )
         out, lse, state = ops[0](query, key, value, scale)
         ctx.save_for_backward(query, key, value, out, lse, *state)
         ctx.scale, ctx.groups, ctx.ops = scale, groups, ops
@@ -141,6 +156,8 @@ def _grouped_call(module, query, key, value, attention_mask, dropout, scaling, i
         or torch._C._are_functorch_transforms_active()
     ):
         return 0  # compiled and exported graphs, forward-mode AD and torch.func keep the stock call
+    if torch.nn.functional.scaled_dot_product_attention is not _SDPA or _modes_active():
+        return 0  # sdpa replaced (context parallelism's ring attention patches it) or intercepted: what it says
     tensors = (query, key, value)
     if any(type(t) is not torch.Tensor or not t.is_cuda or t.dim() != 4 for t in tensors):
         return 0
@@ -173,15 +190,15 @@ def sdpa_attention_forward(
 ):  # fmt: skip
     """transformers' ``sdpa_attention_forward`` (the attention interface's signature and result), whose long
     causal training calls run their backward one group of KV heads at a time (see the module's docstring).
-    ``attention_mask`` must be sdpa's (4-D, or None where sdpa's mask function skips it): register the function
-    with ``register_sdpa_attention``, which pairs it with that mask function."""
-    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4):
-        raise ValueError(
-            "sdpa_attention_forward: `attention_mask` must be sdpa's 4-D mask or None, got "
-            + (f"a {attention_mask.dim()}-D tensor" if isinstance(attention_mask, torch.Tensor) else
-               type(attention_mask).__name__)
-            + "; register the function with lk.register_sdpa_attention(), which pairs it with sdpa's mask"
-        )  # fmt: skip
+    The masks must be sdpa's: register the function with ``register_sdpa_attention``, which pairs it with sdpa's
+    mask function (a model whose attention name has another mask function, or none, is refused)."""
+    for name in UNSUPPORTED_KEYWORDS:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"sdpa_attention_forward: the model hands the attention `{name}`, which transformers' sdpa "
+                "attention does not apply (the model computes it itself only under the name 'sdpa'); use 'sdpa' "
+                "or 'eager' for this model"
+            )
     _check_mask_function(module)
     groups = _grouped_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     if groups:
@@ -209,18 +226,19 @@ def _transformers():
 def _check_mask_function(module) -> None:
     """The masks a model hands over are those of the mask function registered under its attention name. Another
     function's than sdpa's (as transformers pairs with an attention kernel loaded by "repo:function" name: flash
-    attention's, None for any unpadded batch, also where a cached prefix needs a mask) would be read as sdpa's
-    without an error: refused."""
+    attention's, None for any unpadded batch, also where a cached prefix needs a mask), or none at all (a name
+    registered with AttentionInterface alone: no mask even for padding), would be read as sdpa's without an
+    error: refused."""
     name = getattr(getattr(module, "config", None), "_attn_implementation", None)
     if not isinstance(name, str):
         return
     found = _transformers()
     mask_function = found.masks.get(name)
-    if mask_function is not None and mask_function is not found.sdpa_mask:
+    if mask_function is not found.sdpa_mask:  # None: no mask function, and no mask for a padded batch either
+        what = "no mask function" if mask_function is None else repr(getattr(mask_function, "__name__", mask_function))
         raise ValueError(
-            f"sdpa_attention_forward: the attention implementation {name!r} builds its masks with "
-            f"{getattr(mask_function, '__name__', mask_function)!r}, not sdpa's; register it with "
-            "lk.register_sdpa_attention(), which pairs it with sdpa's mask function"
+            f"sdpa_attention_forward: the attention implementation {name!r} builds its masks with {what}, not "
+            "sdpa's; register it with lk.register_sdpa_attention(), which pairs it with sdpa's mask function"
         )
 
 
@@ -231,13 +249,19 @@ def register_sdpa_attention(name: str = "liger_sdpa") -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    registered = AttentionInterface()  # ("eager" is not in it: the models call their own eager attention)
+    registered = AttentionInterface()
+    # "sdpa" in the name: transformers then checks that the model supports sdpa; "|", "/" and ":" mean a paged
+    # variant or a Hub kernel to transformers
     if (
         not isinstance(name, str)
-        or name in ("", "eager")
+        or "sdpa" not in name
+        or any(c in name for c in "|/:")
         or (name in registered and registered[name] is not sdpa_attention_forward)
     ):
-        raise ValueError(f"register_sdpa_attention: `name` must be a name no other attention has, got {name!r}")
+        raise ValueError(
+            "register_sdpa_attention: `name` must contain 'sdpa', no '|', '/' or ':', and be no other attention's "
+            f"name, got {name!r}"
+        )
     AttentionInterface.register(name, sdpa_attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name

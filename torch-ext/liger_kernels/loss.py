@@ -313,6 +313,11 @@ def causal_lm_loss(
     kwargs = _decoder_kwargs(model, form, kwargs)
     head = _causal_lm.value_at(model, (form.head,))
     _check_head(model, head, form.head)
+    vocab = _causal_lm.value_at(model, form.vocab_size) if form.vocab_size else None
+    if vocab is not None and vocab != head.out_features:
+        told = f"`self.{'.'.join(form.vocab_size)}` = {vocab!r}"
+        _refuse(model, f"its loss is told vocab_size {told} while its head has {head.out_features} outputs: the "
+                       "model's loss views the logits as rows of vocab_size")  # fmt: skip
     # (h s) W^T + b, then times t: (h s t) W^T + b t, with s the factors on the hidden states, t those on the logits
     hidden_scale = bias_scale = 1.0
     for on_logits, factors in ((False, form.hidden_factors), (True, form.logit_factors)):
