@@ -86,6 +86,31 @@ def poisoned_outputs(lk):
         lk._backend.new_tensor, lk._backend.new_strided, lk._backend.new_like = original
 
 
+def python_calls(fn, package_dir: str) -> int:
+    """Function calls the package's code makes while ``fn`` runs, and the calls in its own frames: its host
+    work, counted. A call into torch or the standard library from the package counts once (one
+    ``torch.compiler.is_compiling()``, one ``inspect.signature``); what such a function does inside is torch's
+    (autograd's own Python work depends on what else the process imported, dynamo or transformers)."""
+    count = 0
+
+    def ours(frame) -> bool:
+        return frame is not None and frame.f_code.co_filename.startswith(package_dir)
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event == "call":  # a Python function: the package's own, or one the package called
+            count += ours(frame) or ours(frame.f_back)
+        elif event == "c_call":  # a builtin, called from ``frame``
+            count += ours(frame)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Error measures. Every comparison is against a float64 reference, by relative error ||out - ref|| / ||ref||.
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from harness import backend, rel_err, skip_unless_runnable
+from harness import backend, python_calls, rel_err, skip_unless_runnable
 
 
 @pytest.mark.parametrize(
@@ -82,31 +82,6 @@ def test_an_eager_call_reads_no_environment_and_allocates_only_its_outputs(lk, n
     assert CountingEnviron.reads == 0
     if name == "triton":
         assert (forward, len(allocations)) == (1, 1)  # in place: backward writes over gate and up
-
-
-def python_calls(fn, package_dir: str) -> int:
-    """Function calls the package's code makes while ``fn`` runs, and the calls in its own frames: its host
-    work, counted. A call into torch or the standard library from the package counts once (one
-    ``torch.compiler.is_compiling()``, one ``inspect.signature``); what such a function does inside is torch's
-    (autograd's own Python work depends on what else the process imported, dynamo or transformers)."""
-    count = 0
-
-    def ours(frame) -> bool:
-        return frame is not None and frame.f_code.co_filename.startswith(package_dir)
-
-    def profile(frame, event, arg):
-        nonlocal count
-        if event == "call":  # a Python function: the package's own, or one the package called
-            count += ours(frame) or ours(frame.f_back)
-        elif event == "c_call":  # a builtin, called from ``frame``
-            count += ours(frame)
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return count
 
 
 # Host work per eager call on the Triton path, launches stubbed, for forward with grad, forward under no_grad and

@@ -395,6 +395,36 @@ def rotary_entries(lk, cfg, device, peers):
     ]
 
 
+def attention_entries(lk, cfg, device, peers):
+    """sdpa_attention_forward against transformers' own: at these lengths it is that function behind its checks
+    (the split backward is for long sequences), so the row is what the checks cost; the peer has none."""
+    if not hasattr(lk, "sdpa_attention_forward"):
+        return []
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as stock
+
+    heads, kv_heads, dim = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    config = types.SimpleNamespace(_attn_implementation="sdpa")
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, config=config)
+    ours = lk.sdpa_attention_forward
+    entries = []
+    for mode, q_len in (("train", cfg["rows"]), ("inference", 1)):
+        q_base = _randn((1, q_len, heads, dim), device, grad=mode == "train")
+        kv_base = [_randn((1, cfg["rows"], kv_heads, dim), device, grad=mode == "train") for _ in range(2)]
+        q, k, v = (t.transpose(1, 2) for t in (q_base, *kv_base))
+        variants = {
+            "ours": ("sdpa_attention_forward", lambda q=q, k=k, v=v: ours(module, q, k, v, None)[0]),
+            "eager": ("transformers sdpa_attention_forward", lambda q=q, k=k, v=v: stock(module, q, k, v, None)[0]),
+            "peer": _variant("liger-kernel", None),
+        }
+        inputs = f"q [1, {heads}, {q_len}, {dim}], k, v [1, {kv_heads}, {cfg['rows']}, {dim}]"
+        if mode == "train":
+            entries.append(Entry("sdpa_attention_forward", inputs, mode, variants, (q_base, *kv_base),
+                                 (torch.randn_like(q_base),)))  # fmt: skip
+        else:
+            entries.append(Entry("sdpa_attention_forward, decode", inputs, mode, variants))
+    return entries
+
+
 def loss_entries(lk, cfg, device, peers):
     rows, hidden, vocab = cfg["rows"], cfg["hidden"], cfg["vocab"]
     x = _randn((rows, hidden), device, 0.5)
@@ -515,7 +545,7 @@ def loss_entries(lk, cfg, device, peers):
     return entries
 
 
-BUILDERS = (gated_entries, mlp_entries, rms_norm_entries, rotary_entries, loss_entries)
+BUILDERS = (gated_entries, mlp_entries, rms_norm_entries, rotary_entries, attention_entries, loss_entries)
 
 
 # ----------------------------------------------------------------------------------------------------------

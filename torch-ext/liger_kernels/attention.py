@@ -179,10 +179,12 @@ def _grouped_call(module, query, key, value, attention_mask, dropout, scaling, i
         getattr(module, "num_key_value_groups", 1) == q_heads // kv_heads and key.shape[-1] == value.shape[-1] <= 256
     ):
         return 0
+    groups = backward_groups(query, key)  # (before asking PyTorch's choice: short calls end here)
+    if groups == 1:
+        return 0
     if torch._fused_sdp_choice(query, key, value, None, 0.0, True, scale=scaling, enable_gqa=shared) != _CUDNN:
         return 0
-    groups = backward_groups(query, key)
-    return groups if groups > 1 else 0
+    return groups
 
 
 def sdpa_attention_forward(
