@@ -579,7 +579,8 @@ def _env(device: str) -> dict:
            "has_LigerRMSNorm": hasattr(lk, "LigerRMSNorm"), "variants": available_variants(),
            "has_sdpa_attention": hasattr(lk, "register_sdpa_attention"),
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-           "gradient_checkpointing": "non-reentrant", "attention": "sdpa"}  # fmt: skip
+           "gradient_checkpointing": "non-reentrant",
+           "attention": "sdpa; ours and ours_untiled: register_sdpa_attention's where the package has it"}  # fmt: skip
     try:
         from importlib.metadata import version
 
