@@ -203,6 +203,18 @@ def _mixed_mamba():
     return model
 
 
+def _llava():
+    """A multimodal model on text alone: the decoder at model, the loss told text_config.vocab_size."""
+    torch.manual_seed(0)
+    vision = T.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=8, patch_size=4)  # fmt: skip
+    text = T.LlamaConfig(**SIZES)
+    model = T.LlavaForConditionalGeneration(T.LlavaConfig(text_config=text, vision_config=vision, image_token_id=3))
+    for module in (model.model.vision_tower, model.model.multi_modal_projector):  # unused on text
+        module.requires_grad_(False)
+    return model.double()
+
+
 T = transformers
 MODEL_CASES = {
     "llama": (llama, {}),
@@ -288,6 +300,7 @@ MODEL_CASES = {
     "llama shift_labels": (llama, {"shift_labels": True}),
     "llama gradient checkpointing": (llama, {"checkpointing": True}),
     "gemma2 final_logit_softcapping": (gemma2, {}),
+    "llava: a multimodal model on text": (_llava, {}),
 }
 
 
