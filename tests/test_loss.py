@@ -215,6 +215,19 @@ def _llava():
     return model.double()
 
 
+def _retied_llama():
+    """A tied head re-tied to a larger input embedding: transformers' tie_weights shares the weight but leaves the
+    head's out_features stale; the logits are the weight's rows, and so is the model's loss."""
+    model = llama(tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model.set_input_embeddings(torch.nn.Embedding(SIZES["vocab_size"] + 23, SIZES["hidden_size"], dtype=torch.float64))
+    model.config.vocab_size = SIZES["vocab_size"] + 23
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.out_features == SIZES["vocab_size"]
+    return model
+
+
 T = transformers
 MODEL_CASES = {
     "llama": (llama, {}),
@@ -301,6 +314,7 @@ MODEL_CASES = {
     "llama gradient checkpointing": (llama, {"checkpointing": True}),
     "gemma2 final_logit_softcapping": (gemma2, {}),
     "llava: a multimodal model on text": (_llava, {}),
+    "llama re-tied to a larger embedding, out_features stale": (_retied_llama, {}),
 }
 
 

@@ -314,10 +314,15 @@ def causal_lm_loss(
     head = _causal_lm.value_at(model, (form.head,))
     _check_head(model, head, form.head)
     vocab = _causal_lm.value_at(model, form.vocab_size) if form.vocab_size else None
-    if vocab is not None and vocab != head.out_features:
+    if isinstance(vocab, torch.Tensor) and vocab.numel() == 1:
+        vocab = vocab.item()
+    # the logits' width is the weight's rows (out_features may be stale after a re-tie); out_features for a
+    # weight an engine has partitioned away (ZeRO-3's empty placeholder)
+    rows = head.weight.shape[0] if head.weight.numel() else head.out_features
+    if type(vocab) is int and vocab != rows:  # (anything else: the model's own loss raises on it)
         told = f"`self.{'.'.join(form.vocab_size)}` = {vocab!r}"
-        _refuse(model, f"its loss is told vocab_size {told} while its head has {head.out_features} outputs: the "
-                       "model's loss views the logits as rows of vocab_size")  # fmt: skip
+        _refuse(model, f"its loss is told vocab_size {told} while its head has {rows} outputs: the model's loss "
+                       "views the logits as rows of vocab_size")  # fmt: skip
     # (h s) W^T + b, then times t: (h s t) W^T + b t, with s the factors on the hidden states, t those on the logits
     hidden_scale = bias_scale = 1.0
     for on_logits, factors in ((False, form.hidden_factors), (True, form.logit_factors)):
