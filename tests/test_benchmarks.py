@@ -416,6 +416,49 @@ def test_implied_max_tokens_draws_the_line_through_the_two_longest(suite_module)
     assert one["points"] == [32768] and one["method"].startswith("one point")
 
 
+def test_bench_model_interleaves_the_timed_steps(suite_module):
+    """At one length every variant runs its warm-up and first step, then one step per variant and round in
+    alternating order; a row's time is the median of its steps and its memory their maximum. A failing round
+    is recorded without replacing the row's figures."""
+    bench_model = suite_module("bench_model")
+    bench = bench_model.Bench("cpu", quick=True, budget_s=1e6)
+    bench.result = {"p": {"rows": []}}
+    calls, ms = [], iter([10, 20, 11, 21, 12, 22, 13, 23, 30, 40])
+
+    def attempt(model, phase, variant, seq, warmup, timed, free=True):
+        calls.append((variant, seq, warmup, timed, free))
+        if variant == "b" and seq == 2 and warmup == 0:
+            return {"model": phase, "variant": variant, "S": seq, "status": "oom", "error": "x"}
+        t = next(ms)
+        bench.times.setdefault((phase, variant), []).append((seq, t / 1e3))
+        row = {"model": phase, "variant": variant, "S": seq, "status": "ok", "steps": warmup + timed}
+        return dict(row, warmup=warmup, ms=t, ms_steps=[t], extra_bytes=t, extra_gib=t, tokens_per_s=0)
+
+    bench.attempt = attempt
+    rows = bench.fixed_lengths(torch.nn.Linear(1, 1), "p", [1, 2], ["a", "b"])
+    assert calls[:6] == [("a", 1, 1, 1, False), ("b", 1, 1, 1, False), ("b", 1, 0, 1, False), ("a", 1, 0, 1, False),
+                         ("a", 1, 0, 1, True), ("b", 1, 0, 1, True)]  # fmt: skip
+    a1, b1, a2, b2 = rows
+    assert (a1["ms_steps"], a1["ms"], a1["extra_bytes"], a1["steps"]) == ([10, 21, 12], 12, 21, 4)
+    assert (b1["ms_steps"], b1["ms"], b1["extra_bytes"], b1["steps"]) == ([20, 11, 22], 20, 22, 4)
+    assert a2["ms_steps"] == [13, 30, 40] and b2["ms_steps"] == [23] and len(b2["failed_rounds"]) == 2
+    assert bench.times[("p", "a")] == [(1, 0.012), (2, 0.030)]
+
+
+def test_bench_model_searches_from_earlier_rows(suite_module):
+    """--search-from: only the 4-layer search runs, from an earlier run's fits and step times (here the quick
+    model's simulated out-of-memory above 300 tokens: the search doubles from the seeded fit, then bisects)."""
+    bench_model = suite_module("bench_model")
+    row = {"model": "4layer", "variant": "ours_untiled", "status": "ok", "ms": 5.0}
+    seed = {"4layer": {"rows": [dict(row, S=128), dict(row, S=256), dict(row, variant="vanilla", S=64)]}}
+    result = bench_model.run(60.0, device="cpu", quick=True, variants=["ours_untiled"], search_from=[seed])
+    search = result["4layer"]["search"]
+    assert list(search) == ["ours_untiled"] and "verify" not in result
+    assert (search["ours_untiled"]["max_S"], search["ours_untiled"]["oom_at"]) == (288, 304)
+    assert search["ours_untiled"]["complete"] and search["ours_untiled"]["attempts"][0]["S"] == 512
+    assert [r["S"] for r in result["4layer"]["seeded_rows"]] == [128, 256]
+
+
 def test_bench_model_confirms_from_an_earlier_run(tmp_path):
     """bench_model.py --quick --no-confirm runs the 32-layer phase's lengths without the step at the implied
     largest S; --confirm-from then runs that step alone, at 97% of the earlier run's implied S (a CPU run has

@@ -33,6 +33,9 @@ HOSTS = {  # host, layer that serves it
 }
 
 
+ACTIVATIONS = {"llama_silu": "silu", "llama_silu_bias": "silu", "gemma_gelu_tanh": "gelu_tanh", "gelu_exact": "gelu"}
+
+
 def bind(layer_cls, host):
     """What kernelize does: the layer's forward, bound to the host module."""
     host.forward = types.MethodType(layer_cls.forward, host)
@@ -539,3 +542,45 @@ def test_layer_tangents_under_forward_ad(lk, grad_mode, backend_name):
         got = forward_ad.unpack_dual(layer(forward_ad.make_dual(x, tangent))).tangent
     assert got is not None, "the tangent was dropped"
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("inference", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("host_name", sorted(HOSTS))
+def test_small_inference_calls_compute_as_the_host_does(lk, host_name, dtype, inference, backend_name, monkeypatch):
+    """Decoding-sized calls that record nothing take the host's own arithmetic (its activation, then the
+    product, each rounded to the dtype): bit for bit the host module's output, and no fused-op call. Above
+    ``SMALL_CALL_ELEMENTS`` the fused op runs. The input and the projections' parameters stay as they were."""
+    make_host, layer = HOSTS[host_name]
+    torch.manual_seed(0)
+    host = make_host().to(dtype)
+    x = torch.randn(3, 1, HIDDEN, dtype=dtype)
+    kept = x.clone()
+    fused_calls = []
+    inner = lk._gated.gated_apply_eager
+    monkeypatch.setattr(lk._gated, "gated_apply_eager", lambda *a, **k: fused_calls.append(1) or inner(*a, **k))
+    with inference():
+        want = host(x)
+        got = bind(getattr(lk, layer), host)(x)
+        assert torch.equal(got, want) and not fused_calls
+        assert torch.equal(x, kept)
+        monkeypatch.setattr(lk.gated_mlp, "SMALL_CALL_ELEMENTS", 3 * INTERMEDIATE - 1)
+        fused = host(x)
+        linear = lambda name, t: torch.nn.functional.linear(t, getattr(host, name).weight, getattr(host, name).bias)  # noqa: E731
+        act = lk.activations.REGISTRY[ACTIVATIONS[host_name]]
+        hidden = lk._gated.gated_forward(linear("gate_proj", x), linear("up_proj", x), act)
+        assert fused_calls == [1] and torch.equal(fused, linear("down_proj", hidden))
+
+
+def test_small_inference_calls_leave_a_hooked_projections_output_alone(lk):
+    """A hook that keeps the gate projection's output sees it unchanged after a decoding call: the activation
+    is written over the gate buffer only where the projections run as plain F.linear calls (no hooks)."""
+    torch.manual_seed(0)
+    host = llama_mlp()
+    keeper = HostWithHookedGate(host)
+    x = torch.randn(2, 1, HIDDEN)
+    with torch.no_grad():
+        out = bind(lk.LigerSwiGLUMLP, host)(x)
+        want = torch.nn.functional.linear(x, host.gate_proj.weight)
+        assert torch.equal(keeper.kept[0], want)
+        assert rel_err(out, LlamaMLP.forward(host, x)) < 1e-6

@@ -17,7 +17,8 @@ Before measuring, a tiny float32 model checks that every variant's loss and weig
 variant's bindings are undone after each measurement.
 
 Per variant and sequence length S: ``ms`` (median of the timed steps after 1 warm-up: 3 steps, 2 when a step
-is predicted above 4 s, 1 above 15 s), ``extra_gib`` (``max_memory_allocated`` after a reset, minus what was
+is predicted above 4 s, 1 above 15 s; after each variant's first step, the others run in rounds of one step
+per variant, in alternating order), ``extra_gib`` (``max_memory_allocated`` after a reset, minus what was
 allocated before the step: activations, recompute buffers and the weights' gradients, which are set to None
 before each step, so their size, ``grads_gib``, is inside the figure), ``tokens_per_s``, and the loss.
 
@@ -31,7 +32,8 @@ before each step, so their size, ``grads_gib``, is inside the figure), ``tokens_
   (all 32 checkpoints held), which grows faster with S; a line through 32k and 64k predicts too little
   memory per token. Steps predicted above 30 s run without a warm-up once the variant has run a shorter S.
   The implied step takes minutes: ``--no-confirm`` leaves it out, ``--confirm-from RUN.json`` runs only it,
-  from that run's figures.
+  from that run's figures. Likewise ``--search-from RUN.json ...`` runs only the 4-layer search, from the rows
+  and tries of earlier runs (past 500k tokens a try takes minutes: attention is quadratic in S).
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \\
         python benchmarks/suite/bench_model.py --only 4layer --budget 420 --out model_4layer.json
@@ -364,7 +366,7 @@ class Bench:
         extra = torch.cuda.max_memory_allocated() - base if self.cuda else None
         return seconds, extra, float(loss.detach())
 
-    def attempt(self, model, phase, variant, seq, warmup, timed) -> dict:
+    def attempt(self, model, phase, variant, seq, warmup, timed, free=True) -> dict:
         row = {"model": phase, "variant": variant, "S": seq}
         if (phase, variant) in self.broken:
             return dict(row, status="skipped", error=f"earlier error: {self.broken[(phase, variant)]}")
@@ -383,7 +385,11 @@ class Bench:
         finally:
             restore(model, saved)
         del ids, loss_fn
-        _free(model, self.cuda)
+        if free or status != "ok":
+            _free(model, self.cuda)
+        else:  # between interleaved steps the allocator keeps its blocks (peaks count allocated bytes only)
+            model.zero_grad(set_to_none=True)
+            gc.collect()
         if status == "error":
             self.broken[(phase, variant)] = error
         row.update(status=status, steps=len(steps), warmup=warmup)
@@ -407,12 +413,11 @@ class Bench:
               + (f" ({error[:120]})" if status == "error" else ""), flush=True)  # fmt: skip
         return row
 
-    def timed(self, model, phase, variant, seq) -> dict:
-        """1 warm-up and 3 timed steps (fewer when a step is predicted long), if the budget allows. A step
-        predicted above 30 s runs without a warm-up once this variant has run in this phase: its kernels are
-        compiled, and the step is long beside what a warm-up would take off it."""
-        if (phase, variant) in self.broken:
-            return self.attempt(model, phase, variant, seq, 0, 0)
+    def plan(self, phase, variant, seq):
+        """(warm-up steps, timed steps) for a fixed length: 1 warm-up and 3 timed steps (fewer when a step is
+        predicted long), or a skipped row where the budget does not allow one. A step predicted above 30 s runs
+        without a warm-up once this variant has run in this phase: its kernels are compiled, and the step is
+        long beside what a warm-up would take off it."""
         per_step = self.predict(phase, variant, seq)
         timed = 3 if per_step is None or per_step <= 4 else 2 if per_step <= 15 else 1
         warmup = 0 if per_step is not None and per_step > 30 and (phase, variant) in self.times else 1
@@ -422,17 +427,57 @@ class Bench:
             predicted = "?" if per_step is None else f"{(warmup + timed) * per_step:.0f}"
             return {"model": phase, "variant": variant, "S": seq, "status": "skipped",
                     "error": f"budget: predicted {predicted} s, {self.left():.0f} s left"}  # fmt: skip
-        return self.attempt(model, phase, variant, seq, warmup, timed)
+        return warmup, timed
 
     # --- phases --------------------------------------------------------------------------------------------
     def fixed_lengths(self, model, phase, lengths, variants) -> list[dict]:
+        """Every variant at every length. At one length the variants' timed steps are interleaved: each runs its
+        warm-up and a first step, then one step per variant and round, the order reversed every other round,
+        so that a drift of the GPU's clocks over the minutes a length takes (the model runs at its power cap:
+        NOTES.md §21) falls on every variant alike rather than on the last ones."""
         rows = []
         for seq in lengths:
+            batch, more = [], {}  # more: variant -> (its row, timed steps still to run)
             for variant in variants:
-                rows.append(self.timed(model, phase, variant, seq))
-                self.result[phase]["rows"] = rows
+                planned = (0, 0) if (phase, variant) in self.broken else self.plan(phase, variant, seq)
+                if isinstance(planned, dict):
+                    batch.append(planned)
+                    continue
+                warmup, timed = planned
+                row = self.attempt(model, phase, variant, seq, warmup, min(timed, 1), free=timed <= 1)
+                batch.append(row)
+                if row["status"] == "ok" and timed > 1:
+                    more[variant] = (row, timed - 1)
+                self.result[phase]["rows"] = rows + batch
                 self.save()
+            for i in range(max((n for _, n in more.values()), default=0)):
+                order = [v for v in variants if v in more and more[v][1] > i]
+                for variant in order if i % 2 else reversed(order):
+                    if (self.predict(phase, variant, seq) or 0) > self.left():
+                        continue
+                    step = self.attempt(model, phase, variant, seq, 0, 1, free=i == more[variant][1] - 1)
+                    self.merge(more[variant][0], step)
+                    self.save()
+            if more:
+                _free(model, self.cuda)
+            rows.extend(batch)
+            self.result[phase]["rows"] = rows
+            self.save()
         return rows
+
+    def merge(self, row: dict, step: dict) -> None:
+        """One more timed step (an ``attempt`` row of one step) into a fixed length's row."""
+        if step["status"] != "ok":
+            row.setdefault("failed_rounds", []).append({k: step.get(k) for k in ("status", "error")})
+            return
+        row["ms_steps"] += step["ms_steps"]
+        row["ms"] = statistics.median(row["ms_steps"])
+        row["tokens_per_s"] = row["S"] / row["ms"] * 1e3
+        if step.get("extra_bytes") is not None and step["extra_bytes"] > (row.get("extra_bytes") or 0):
+            row.update(extra_bytes=step["extra_bytes"], extra_gib=step["extra_gib"])
+        row["steps"] += 1
+        key = (row["model"], row["variant"])
+        self.times[key] = [p for p in self.times[key] if p[0] != row["S"]] + [(row["S"], row["ms"] / 1e3)]
 
     def search(self, model, phase, rows, variants, start, step, cap) -> dict:
         """Largest S (multiple of ``step``) that fits, per variant: double from the largest fit until one
@@ -490,6 +535,7 @@ class Bench:
             s["complete"] = "stopped" not in s and (phase, variant) not in self.broken
             s["at_cap"] = s["max_S"] == cap
             s.pop("done", None)
+        self.result[phase]["search"] = state
         return state
 
 
@@ -555,6 +601,25 @@ def _confirm_only(bench: Bench, name: str, spec: dict, dtype, source: dict) -> d
     return out
 
 
+def _search_only(bench: Bench, spec: dict, dtype, sources: list, variants) -> dict:
+    """The 4-layer model's largest-S search alone, from earlier runs' 4-layer rows and search tries (their step
+    times predict, their fits and out-of-memory lengths bound the search), for ``variants``."""
+    config, out, model = _build(bench, "4layer", spec, dtype, [])
+    earlier = []
+    for source in sources:
+        phase = source.get("4layer") or {}
+        tries = [r for s in (phase.get("search") or {}).values() for r in s.get("attempts", [])]
+        earlier += [r for r in phase.get("rows", []) + tries if r.get("variant") in variants]
+    for row in earlier:
+        if row["status"] == "ok":
+            bench.times.setdefault(("4layer", row["variant"]), []).append((row["S"], row["ms"] / 1e3))
+    out["search_from"] = [{"elapsed_s": s.get("elapsed_s"), "env": s.get("env")} for s in sources]
+    out["seeded_rows"] = [{k: r.get(k) for k in ("variant", "S", "status", "ms", "extra_gib")} for r in earlier]
+    bench.search(model, "4layer", earlier, variants, spec["start"], spec["step"], spec["cap"])
+    _done_with(bench, model)
+    return out
+
+
 def _confirm(bench, model, phase, implied, step, config) -> list[dict]:
     """One step of ``ours`` at 97% of the implied largest S, then at 90% if that does not fit."""
     if not implied or not implied.get("max_S"):
@@ -601,12 +666,13 @@ def _env(device: str) -> dict:
 
 def run(budget_s: float = 300.0, only: str | None = None, device: str = "cuda", quick: bool = False,
         out_path=None, confirm: bool = True, confirm_from: dict | None = None, variants=None,
-        search: bool = True) -> dict:  # fmt: skip
+        search: bool = True, search_from: list | None = None) -> dict:  # fmt: skip
     """Everything above, as a JSON-serializable dict; no measurement starts once ``budget_s`` is spent (nor
     one predicted to outlast it). ``only``: "4layer" or "32layer". ``confirm``: False leaves out the step at
     the 32-layer model's implied largest S; ``confirm_from``: an earlier run's result, whose implied largest S
     that step then takes, and nothing else runs. ``variants``: a subset to measure (all by default; every
-    variant is verified); ``search``: False leaves out the 4-layer model's largest-S search."""
+    variant is verified); ``search``: False leaves out the 4-layer model's largest-S search; ``search_from``:
+    earlier runs' results, from whose 4-layer rows and tries only that search then runs (nothing verified)."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: use --device cpu --quick for the smoke test")
     bench = Bench(device, quick, budget_s, out_path)
@@ -616,6 +682,12 @@ def run(budget_s: float = 300.0, only: str | None = None, device: str = "cuda", 
     dtype = torch.float32 if quick else torch.bfloat16
     if confirm_from is not None:
         _confirm_only(bench, "32layer", specs["32layer"], dtype, confirm_from)
+        bench.result["elapsed_s"] = time.perf_counter() - bench.start
+        bench.save()
+        return bench.result
+    if search_from is not None:
+        chosen = [v for v in available_variants() if variants is None or v in variants]
+        _search_only(bench, specs["4layer"], dtype, search_from, chosen)
         bench.result["elapsed_s"] = time.perf_counter() - bench.start
         bench.save()
         return bench.result
@@ -653,6 +725,8 @@ def _check_quick(result, variants) -> None:
     for r in rows:
         if r["status"] == "ok" and r["variant"].startswith("ours"):
             assert r["rope_calls_per_step"] > 0, r
+        if r["status"] == "ok":  # the first step and two interleaved rounds
+            assert len(r["ms_steps"]) == 3 and r["steps"] == r["warmup"] + 3, r
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -727,6 +801,8 @@ def main():
     parser.add_argument("--confirm-from", type=Path, metavar="RUN_JSON",
                         help="run only that step, at the implied S of this earlier run's 32-layer phase")  # fmt: skip
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="measure only these (all are verified)")
+    parser.add_argument("--search-from", type=Path, nargs="+", metavar="RUN_JSON",
+                        help="run only the 4-layer largest-S search, from earlier runs' 4-layer rows")  # fmt: skip
     parser.add_argument(
         "--no-search", action="store_true", help="fixed lengths only: no 4-layer search, no 32-layer confirming step"
     )
@@ -734,9 +810,10 @@ def main():
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
     source = json.loads(args.confirm_from.read_text()) if args.confirm_from else None
+    seeds = [json.loads(path.read_text()) for path in args.search_from] if args.search_from else None
     result = run(args.budget, only=args.only, device=args.device, quick=args.quick, out_path=args.out,
                  confirm=not args.no_confirm, confirm_from=source, variants=args.variants,
-                 search=not args.no_search)  # fmt: skip
+                 search=not args.no_search, search_from=seeds)  # fmt: skip
     print(markdown(result))
 
 

@@ -28,6 +28,9 @@ class GatedActivation(NamedTuple):
     reference: Callable  # (z float64) -> act(z), independent of the above: what tests compare against
     host_classes: tuple[str, ...]  # class names of transformers activation modules computing it
     config_names: tuple[str, ...]  # hidden_act / hidden_activation strings naming it
+    # (z) -> act(z) written over z, in z's dtype: PyTorch's own op, the one the first host class calls. The
+    # layers' small inference calls use it (gated_mlp.py), where a launch would cost the host more than the op.
+    torch_in_place: Callable
 
 
 REGISTRY = {}
@@ -74,6 +77,7 @@ SILU = register(
         torch.nn.functional.silu,
         host_classes=("SiLU", "SiLUActivation"),
         config_names=("silu", "swish"),
+        torch_in_place=lambda z: torch.nn.functional.silu(z, inplace=True),
     )
 )
 
@@ -131,6 +135,7 @@ GELU_TANH = register(
             "AccurateGELUActivation",
         ),
         config_names=("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast", "gelu_accurate"),
+        torch_in_place=lambda z: torch._C._nn.gelu_(z, approximate="tanh"),
     )
 )
 
@@ -204,5 +209,6 @@ GELU = register(
         torch.nn.functional.gelu,
         host_classes=("GELUActivation",),
         config_names=("gelu", "gelu_python"),
+        torch_in_place=torch._C._nn.gelu_,
     )
 )

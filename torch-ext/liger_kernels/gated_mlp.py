@@ -15,6 +15,12 @@ from torch import nn
 from . import _backend, _gated, _hosts
 from .activations import REGISTRY, GatedActivation
 
+# Inference calls up to this many activation elements (73 tokens at Llama-3-8B's 14336; decoding) compute it as
+# the host module does, with PyTorch's activation and product written over the layer's own gate buffer: two
+# aten launches cost the host less than one Triton launch and its output (benchmarks/NOTES.md §27), and the
+# GPU time both take is far below the host's at these sizes.
+SMALL_CALL_ELEMENTS = 1 << 20
+
 
 class GatedMLP:
     """``down_proj(act(gate_proj(x)) * up_proj(x))`` for the hosts a layer serves.
@@ -81,11 +87,16 @@ class GatedMLP:
             gate, up = F.linear(x, *gate_operands), F.linear(x, *up_operands)
             # Outputs of F.linear are fresh tensors nobody else keeps: backward may write over them. Asked only
             # where a backward will run (decoding records nothing).
-            in_place = (
-                (gate.requires_grad or up.requires_grad)
-                and torch.is_grad_enabled()
-                and not (gate_operands[0].is_meta or up_operands[0].is_meta)
-            )
+            recording = (gate.requires_grad or up.requires_grad) and torch.is_grad_enabled()
+            if (
+                not recording
+                and gate.numel() <= SMALL_CALL_ELEMENTS
+                and not (_backend.forward_ad_active() or torch._C._are_functorch_transforms_active())
+            ):
+                # act(gate) * up in the inputs' dtype, rounded after each op: the host module's own arithmetic
+                # (bit for bit where its activation is the registry's first host class), over gate's buffer
+                return F.linear(activation.torch_in_place(gate).mul_(up), *down_operands)
+            in_place = recording and not (gate_operands[0].is_meta or up_operands[0].is_meta)
             hidden = _gated.gated_apply_eager(gate, up, activation, 1.0, 1.0, in_place, own_buffers=True)
             return F.linear(hidden, *down_operands)
         gate, up = gate_proj(x), up_proj(x)
