@@ -99,8 +99,8 @@ BUDGETS = {  # name: ((Python calls), (aten ops)), each (forward, no_grad forwar
     "rms_norm": ((51, 44, 43), (4, 3, 5)),
     # no_grad: a decoding-sized call runs the activation and the product as two in-place aten ops instead of the
     # kernel's output allocation and launch (uncounted here, and dearer: benchmarks/NOTES.md §27)
-    "LigerSwiGLUMLP": ((60, 32, 40), (7, 8, 7)),
-    "LigerTiledSwiGLUMLP, one shard": ((136, 108, 40), (7, 8, 7)),
+    "LigerSwiGLUMLP": ((60, 36, 40), (7, 8, 7)),
+    "LigerTiledSwiGLUMLP, one shard": ((136, 112, 40), (7, 8, 7)),
     "liger_rotary_pos_emb": ((63, 59, 32), (7, 7, 4)),
     # the losses' reductions are two kernels of the package (more Python calls here) instead of five to nine aten
     # ops ("mean"'s divisors and the sums; 10-40 us each on the H200 machine, benchmarks/NOTES.md §23)

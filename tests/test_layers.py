@@ -584,3 +584,91 @@ def test_small_inference_calls_leave_a_hooked_projections_output_alone(lk):
         want = torch.nn.functional.linear(x, host.gate_proj.weight)
         assert torch.equal(keeper.kept[0], want)
         assert rel_err(out, LlamaMLP.forward(host, x)) < 1e-6
+
+
+class _KeepLinearOutputs(torch.overrides.TorchFunctionMode):
+    """Activation capture through a mode: keeps every F.linear output."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.linear:
+            self.kept.append(out)
+        return out
+
+
+class _KeepMatmulOutputs(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.kept = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.kept.append(out)
+        return out
+
+
+@pytest.mark.parametrize("mode", [_KeepLinearOutputs, _KeepMatmulOutputs], ids=["torch_function", "dispatch"])
+def test_small_inference_calls_leave_what_a_mode_keeps_alone(lk, mode):
+    """A torch-function or dispatch mode may keep the gate projection's output: the layer does not write over
+    it (the fused op runs, as before the small-call path)."""
+    torch.manual_seed(0)
+    host = llama_mlp()
+    x = torch.randn(2, 1, HIDDEN)
+    with torch.no_grad(), mode() as keeper:
+        out = bind(lk.LigerSwiGLUMLP, host)(x)
+    gate = torch.nn.functional.linear(x, host.gate_proj.weight)
+    assert torch.equal(keeper.kept[0].reshape(gate.shape), gate)
+    assert rel_err(out, LlamaMLP.forward(host, x)) < 1e-6
+
+
+def test_calls_under_grad_mode_keep_the_fused_op_under_selective_checkpointing(lk):
+    """Gate and up frozen, down_proj trained, inside a selective checkpoint that keeps the matmuls' outputs
+    for backward: nothing may be written over the gate buffer, although gate and up record no graph."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    host = llama_mlp(bias=True)
+    host.gate_proj.requires_grad_(False)
+    host.up_proj.requires_grad_(False)
+    x = torch.randn(2, 3, HIDDEN)
+    keep = partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default, torch.ops.aten.addmm.default])
+
+    def step(module):
+        out = checkpoint(module, x, use_reentrant=False, context_fn=keep)
+        return out, torch.autograd.grad(out.sum(), module.down_proj.weight)[0]
+
+    want = step(copy.deepcopy(host))
+    got = step(bind(lk.LigerSwiGLUMLP, host))
+    assert rel_err(got[0], want[0]) < 1e-6 and rel_err(got[1], want[1]) < 1e-6
+
+
+def test_a_broadcasting_host_product_is_served_in_inference(lk):
+    """A gate projection of one output broadcasts against up in the host's product: no in-place form."""
+    torch.manual_seed(0)
+    host = llama_mlp()
+    host.gate_proj = torch.nn.Linear(HIDDEN, 1, bias=False)
+    x = torch.randn(2, HIDDEN)
+    with torch.no_grad():
+        want = LlamaMLP.forward(host, x)
+        got = bind(lk.LigerSwiGLUMLP, host)(x)
+    assert rel_err(got, want) < 1e-6
+
+
+def test_a_gelu_subclass_with_its_own_forward_is_not_taken_for_gelu(lk):
+    """An nn.GELU subclass that computes something else is not the GELU the layer computes: refused."""
+
+    class HalfGELU(torch.nn.GELU):
+        def forward(self, z):
+            return super().forward(z) * 0.5
+
+    host = llama_mlp(act="gelu")
+    host.act_fn = HalfGELU()
+    with pytest.raises(ValueError, match="HalfGELU"):
+        bind(lk.LigerGEGLUMLP, host)(torch.randn(2, HIDDEN))

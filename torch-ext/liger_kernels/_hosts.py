@@ -54,7 +54,7 @@ def host_activation(module: nn.Module, attributes=_ACTIVATION_ATTRIBUTES) -> str
 def activation_of(act_fn, attribute: str) -> str:
     """The registry name of the activation ``act_fn`` (a host's ``attribute``), or a string describing one this
     package lacks."""
-    if isinstance(act_fn, nn.GELU):
+    if isinstance(act_fn, nn.GELU) and type(act_fn).forward is nn.GELU.forward:  # a subclass may compute another
         return "gelu_tanh" if act_fn.approximate == "tanh" else "gelu"
     if act_fn is torch.nn.functional.silu:
         return "silu"

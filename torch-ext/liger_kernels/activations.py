@@ -28,8 +28,9 @@ class GatedActivation(NamedTuple):
     reference: Callable  # (z float64) -> act(z), independent of the above: what tests compare against
     host_classes: tuple[str, ...]  # class names of transformers activation modules computing it
     config_names: tuple[str, ...]  # hidden_act / hidden_activation strings naming it
-    # (z) -> act(z) written over z, in z's dtype: PyTorch's own op, the one the first host class calls. The
-    # layers' small inference calls use it (gated_mlp.py), where a launch would cost the host more than the op.
+    # (z) -> act(z) written over z, in z's dtype: PyTorch's own op (what nn.SiLU, GELUTanh or GELUActivation
+    # call in their default form). The layers' small inference calls use it (gated_mlp.py), where a launch would
+    # cost the host more than the op.
     torch_in_place: Callable
 
 

@@ -87,16 +87,16 @@ class GatedMLP:
             gate, up = F.linear(x, *gate_operands), F.linear(x, *up_operands)
             # Outputs of F.linear are fresh tensors nobody else keeps: backward may write over them. Asked only
             # where a backward will run (decoding records nothing).
-            recording = (gate.requires_grad or up.requires_grad) and torch.is_grad_enabled()
-            if (
-                not recording
-                and gate.numel() <= SMALL_CALL_ELEMENTS
-                and not (_backend.forward_ad_active() or torch._C._are_functorch_transforms_active())
-            ):
+            grad_mode = torch.is_grad_enabled()
+            if not grad_mode and _small_call(gate, up):
                 # act(gate) * up in the inputs' dtype, rounded after each op: the host module's own arithmetic
-                # (bit for bit where its activation is the registry's first host class), over gate's buffer
+                # (bit for bit where its activation is PyTorch's op), over the gate buffer
                 return F.linear(activation.torch_in_place(gate).mul_(up), *down_operands)
-            in_place = recording and not (gate_operands[0].is_meta or up_operands[0].is_meta)
+            in_place = (
+                grad_mode
+                and (gate.requires_grad or up.requires_grad)
+                and not (gate_operands[0].is_meta or up_operands[0].is_meta)
+            )
             hidden = _gated.gated_apply_eager(gate, up, activation, 1.0, 1.0, in_place, own_buffers=True)
             return F.linear(hidden, *down_operands)
         gate, up = gate_proj(x), up_proj(x)
@@ -120,6 +120,22 @@ class GatedMLP:
         if not all(_hosts.is_plain_linear(p, engine_gathers=True) for p in projections):
             return None
         return activation
+
+
+def _small_call(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether an inference call (grad mode off: a call under grad mode may sit in a checkpoint whose saved
+    tensors, the gate buffer among them, must stay as they are) takes the host's arithmetic over its gate
+    buffer: at most SMALL_CALL_ELEMENTS elements, plain tensors of one shape (a subclass or a torch-function or
+    dispatch mode may keep the projection's output; a broadcasting product has no in-place form), no
+    forward-mode AD or torch.func transform."""
+    return (
+        gate.numel() <= SMALL_CALL_ELEMENTS
+        and type(gate) is torch.Tensor
+        and type(up) is torch.Tensor
+        and gate.shape == up.shape
+        and not (torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
+        and not (_backend.forward_ad_active() or torch._C._are_functorch_transforms_active())
+    )
 
 
 def _is_hooked(act_fn) -> bool:
