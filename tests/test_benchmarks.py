@@ -445,9 +445,14 @@ def test_bench_model_interleaves_the_timed_steps(suite_module):
     assert bench.times[("p", "a")] == [(1, 0.012), (2, 0.030)]
 
 
-def test_bench_model_searches_from_earlier_rows(suite_module):
+def test_bench_model_searches_from_earlier_rows(suite_module, monkeypatch):
     """--search-from: only the 4-layer search runs, from an earlier run's fits and step times (here the quick
     model's simulated out-of-memory above 300 tokens: the search doubles from the seeded fit, then bisects)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for interface in (AttentionInterface, AttentionMaskInterface):  # the variants register their attention
+        monkeypatch.setattr(interface, "_global_mapping", dict(interface._global_mapping))
     bench_model = suite_module("bench_model")
     row = {"model": "4layer", "variant": "ours_untiled", "status": "ok", "ms": 5.0}
     seed = {"4layer": {"rows": [dict(row, S=128), dict(row, S=256), dict(row, variant="vanilla", S=64)]}}
