@@ -145,32 +145,33 @@ def _grouped_call(module, query, key, value, attention_mask, dropout, scaling, i
     for which PyTorch itself chooses cuDNN; and whose backward needs more than one group."""
     if attention_mask is not None or dropout != 0 or not torch.is_grad_enabled():
         return 0
-    if any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "cache")):
-        return 0
+    if torch.compiler.is_compiling() or _backend.exporting():
+        return 0  # compiled and exported graphs keep the stock call (and ask nothing of symbolic shapes here)
     if not (query.requires_grad or key.requires_grad or value.requires_grad):
         return 0
-    if (
-        torch.compiler.is_compiling()
-        or _backend.exporting()
-        or _backend.forward_ad_active()
-        or torch._C._are_functorch_transforms_active()
-    ):
-        return 0  # compiled and exported graphs, forward-mode AD and torch.func keep the stock call
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return 0
+    q_len, q_heads, kv_heads = query.shape[2], query.shape[1], key.shape[1]
+    if not (q_len > 1 and key.shape[2] == q_len == value.shape[2]):
+        return 0
+    if value.shape[1] != kv_heads or q_heads % kv_heads or not query.shape[0] == key.shape[0] == value.shape[0]:
+        return 0
+    groups = backward_groups(query, key)  # short calls (one group) end here, before the costlier questions
+    if groups == 1:
+        return 0
+    if any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "cache")):
+        return 0
+    if _backend.forward_ad_active() or torch._C._are_functorch_transforms_active():
+        return 0  # forward-mode AD and torch.func keep the stock call
     if torch.nn.functional.scaled_dot_product_attention is not _SDPA or _modes_active():
         return 0  # sdpa replaced (context parallelism's ring attention patches it) or intercepted: what it says
-    tensors = (query, key, value)
-    if any(type(t) is not torch.Tensor or not t.is_cuda or t.dim() != 4 for t in tensors):
+    if any(type(t) is not torch.Tensor or not t.is_cuda for t in (query, key, value)):
         return 0
     if query.dtype not in (torch.float16, torch.bfloat16) or key.dtype != query.dtype or value.dtype != query.dtype:
         return 0
     if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") != query.dtype:
         return 0  # sdpa would run in autocast's dtype
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    q_len = query.shape[2]
-    if not (causal and q_len > 1 and key.shape[2] == q_len == value.shape[2]):
-        return 0
-    q_heads, kv_heads = query.shape[1], key.shape[1]
-    if value.shape[1] != kv_heads or q_heads % kv_heads or not query.shape[0] == key.shape[0] == value.shape[0]:
+    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         return 0
     shared = q_heads != kv_heads
     # transformers passes enable_gqa only for a module that declares its groups and head dims sdpa takes
@@ -178,9 +179,6 @@ def _grouped_call(module, query, key, value, attention_mask, dropout, scaling, i
     if shared and not (
         getattr(module, "num_key_value_groups", 1) == q_heads // kv_heads and key.shape[-1] == value.shape[-1] <= 256
     ):
-        return 0
-    groups = backward_groups(query, key)  # (before asking PyTorch's choice: short calls end here)
-    if groups == 1:
         return 0
     if torch._fused_sdp_choice(query, key, value, None, 0.0, True, scale=scaling, enable_gqa=shared) != _CUDNN:
         return 0
@@ -218,11 +216,34 @@ def _transformers():
     transformers to load) and kept: its lazy modules cost tens of µs per import statement."""
     global _TRANSFORMERS
     if _TRANSFORMERS is None:
+        from transformers import PretrainedConfig
         from transformers.integrations.sdpa_attention import sdpa_attention_forward as stock
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-        _TRANSFORMERS = types.SimpleNamespace(stock=stock, masks=ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask=sdpa_mask)
+        plain = PretrainedConfig.__dict__.get("_attn_implementation")
+        _TRANSFORMERS = types.SimpleNamespace(
+            stock=stock, masks=ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask=sdpa_mask, plain_name=plain
+        )
     return _TRANSFORMERS
+
+
+def _attention_name(config, plain_name):
+    """``config._attn_implementation``. Every attribute read of a transformers config runs its Python
+    ``__getattribute__`` (its attribute map): about 3 us for this property and the attribute behind it, per
+    attention call. Where the config's class keeps transformers' own property (``plain_name``), the value is
+    read from the instance's dict, as that property reads it."""
+    kind = type(config)
+    renamed = getattr(kind, "attribute_map", ())
+    if (
+        plain_name is not None
+        and getattr(kind, "_attn_implementation", None) is plain_name
+        and "_attn_implementation" not in renamed
+        and "_attn_implementation_internal" not in renamed
+    ):
+        values = object.__getattribute__(config, "__dict__")
+        if "_attn_implementation_internal" in values:
+            return values["_attn_implementation_internal"]
+    return getattr(config, "_attn_implementation", None)
 
 
 def _check_mask_function(module) -> None:
@@ -231,10 +252,10 @@ def _check_mask_function(module) -> None:
     attention's, None for any unpadded batch, also where a cached prefix needs a mask), or none at all (a name
     registered with AttentionInterface alone: no mask even for padding), would be read as sdpa's without an
     error: refused."""
-    name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    found = _transformers()
+    name = _attention_name(getattr(module, "config", None), found.plain_name)
     if not isinstance(name, str):
         return
-    found = _transformers()
     mask_function = found.masks.get(name)
     if mask_function is not found.sdpa_mask:  # None: no mask function, and no mask for a padded batch either
         what = "no mask function" if mask_function is None else repr(getattr(mask_function, "__name__", mask_function))
