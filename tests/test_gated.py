@@ -460,3 +460,17 @@ def test_in_place_backward_under_torch_compile(lk):
     got = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(x).sum(), x)[0]
     torch._dynamo.reset()
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("name", sorted(__import__("harness").LK.activations.REGISTRY))
+def test_in_place_activation_matches_the_reference(lk, name, dtype):
+    """Every registry entry's ``torch_in_place`` (the MLP layers' small inference calls) writes the activation
+    over its input, within one rounding of the float64 reference."""
+    activation = lk.activations.REGISTRY[name]
+    z = torch.randn(4, 300, dtype=torch.float64) * 4
+    x = z.to(dtype)
+    want = activation.reference(x.to(torch.float64))
+    out = activation.torch_in_place(x)
+    assert out.data_ptr() == x.data_ptr() and out.dtype == dtype
+    assert rel_err(out, want) <= 2 * torch.finfo(dtype).eps
