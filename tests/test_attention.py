@@ -358,7 +358,7 @@ def test_the_attention_name_is_read_as_transformers_reads_it(lk):
     the class keeps transformers' own property and attribute map: the same name as ``getattr`` in every case."""
     from transformers import AutoConfig, LlamaConfig
 
-    read = lambda config: lk.attention._attention_name(config, lk.attention._transformers().plain_name)  # noqa: E731
+    read = lambda config: lk.attention._attention_name(config, lk.attention._transformers())  # noqa: E731
     config = LlamaConfig(num_hidden_layers=1)
     for name in (None, "sdpa", "eager", lk.register_sdpa_attention()):
         config._attn_implementation = name
@@ -373,4 +373,12 @@ def test_the_attention_name_is_read_as_transformers_reads_it(lk):
     renamed = Renamed(num_hidden_layers=1)
     renamed.attn_kind = "eager"
     assert read(renamed) == renamed._attn_implementation
+
+    class Rerouted(LlamaConfig):
+        def __getattribute__(self, key):
+            return "eager" if key == "_attn_implementation_internal" else super().__getattribute__(key)
+
+    rerouted = Rerouted(num_hidden_layers=1)
+    rerouted._attn_implementation = "sdpa"
+    assert read(rerouted) == rerouted._attn_implementation == "eager"
     assert read(None) is None

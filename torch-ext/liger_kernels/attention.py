@@ -222,21 +222,27 @@ def _transformers():
 
         plain = PretrainedConfig.__dict__.get("_attn_implementation")
         _TRANSFORMERS = types.SimpleNamespace(
-            stock=stock, masks=ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask=sdpa_mask, plain_name=plain
+            stock=stock,
+            masks=ALL_MASK_ATTENTION_FUNCTIONS,
+            sdpa_mask=sdpa_mask,
+            plain_name=plain,
+            plain_getattribute=PretrainedConfig.__getattribute__,
         )
     return _TRANSFORMERS
 
 
-def _attention_name(config, plain_name):
+def _attention_name(config, found):
     """``config._attn_implementation``. Every attribute read of a transformers config runs its Python
     ``__getattribute__`` (its attribute map): about 3 us for this property and the attribute behind it, per
-    attention call. Where the config's class keeps transformers' own property (``plain_name``), the value is
-    read from the instance's dict, as that property reads it."""
+    attention call. Where the config's class keeps transformers' own property and ``__getattribute__`` (``found``:
+    ``_transformers()``) and maps neither name elsewhere, the value is read from the instance's dict, as that
+    property reads it."""
     kind = type(config)
     renamed = getattr(kind, "attribute_map", ())
     if (
-        plain_name is not None
-        and getattr(kind, "_attn_implementation", None) is plain_name
+        found.plain_name is not None
+        and getattr(kind, "_attn_implementation", None) is found.plain_name
+        and kind.__getattribute__ is found.plain_getattribute
         and "_attn_implementation" not in renamed
         and "_attn_implementation_internal" not in renamed
     ):
@@ -253,7 +259,7 @@ def _check_mask_function(module) -> None:
     registered with AttentionInterface alone: no mask even for padding), would be read as sdpa's without an
     error: refused."""
     found = _transformers()
-    name = _attention_name(getattr(module, "config", None), found.plain_name)
+    name = _attention_name(getattr(module, "config", None), found)
     if not isinstance(name, str):
         return
     mask_function = found.masks.get(name)
