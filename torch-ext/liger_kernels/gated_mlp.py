@@ -85,13 +85,13 @@ class GatedMLP:
         down_operands = up_operands and _hosts.linear_operands(down_proj)
         if down_operands:
             gate, up = F.linear(x, *gate_operands), F.linear(x, *up_operands)
-            # Outputs of F.linear are fresh tensors nobody else keeps: backward may write over them. Asked only
-            # where a backward will run (decoding records nothing).
             grad_mode = torch.is_grad_enabled()
             if not grad_mode and _small_call(gate, up):
                 # act(gate) * up in the inputs' dtype, rounded after each op: the host module's own arithmetic
                 # (bit for bit where its activation is PyTorch's op), over the gate buffer
                 return F.linear(activation.torch_in_place(gate).mul_(up), *down_operands)
+            # Outputs of F.linear are fresh tensors nobody else keeps: backward may write over them. Asked only
+            # where a backward will run (decoding records nothing).
             in_place = (
                 grad_mode
                 and (gate.requires_grad or up.requires_grad)
