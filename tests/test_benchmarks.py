@@ -451,8 +451,11 @@ def test_bench_model_searches_from_earlier_rows(suite_module, monkeypatch):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    for interface in (AttentionInterface, AttentionMaskInterface):  # the variants register their attention
-        monkeypatch.setattr(interface, "_global_mapping", dict(interface._global_mapping))
+    # The variants register the package's attention under its default name, which another copy of the package
+    # (the tests' build) may hold already: each registry without it for this test, restored after.
+    for interface in (AttentionInterface, AttentionMaskInterface):
+        mapping = {k: v for k, v in interface._global_mapping.items() if k != "liger_sdpa"}
+        monkeypatch.setattr(interface, "_global_mapping", mapping)
     bench_model = suite_module("bench_model")
     row = {"model": "4layer", "variant": "ours_untiled", "status": "ok", "ms": 5.0}
     seed = {"4layer": {"rows": [dict(row, S=128), dict(row, S=256), dict(row, variant="vanilla", S=64)]}}
