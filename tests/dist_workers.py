@@ -103,12 +103,29 @@ def rank_subset_calls(rank, world, port, variant_root, options, out_dir):
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"logged": logged.item()}))
 
 
-def engine_case(rank, world, port, variant_root, options, out_dir):
-    """DDP or FSDP2 (fully_shard), as options["engine"] says, with tiled MLPs against an untiled
-    single-process run on the global batch: every gradient, and the weights after one SGD step with lr 1."""
-    with gloo_group(rank, world, port, backend=options.get("backend", "gloo")):
-        result = _engine_run(rank, world, Path(variant_root), options)
-        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+def engine_cases(rank, world, port, variant_root, options, out_dir):
+    """DDP or FSDP2 (fully_shard), as each case's "engine" says, with tiled MLPs against an untiled single-process
+    run on the global batch (every gradient, and the weights after one SGD step with lr 1), for each of
+    ``options["cases"]`` (name: options) in one process group per rank, so the suite starts the ranks once:
+    {name: result}, where a case that raised holds its error. Every case builds its own models."""
+    import traceback
+
+    backend = options.get("backend", "gloo")
+    results, broken = {}, None
+    with gloo_group(rank, world, port, backend=backend):
+        for name, case in options["cases"].items():
+            if broken is not None:
+                results[name] = {"error": f"not run: the ranks lost each other in {broken!r}"}
+                continue
+            try:
+                results[name] = _engine_run(rank, world, Path(variant_root), {"backend": backend, **case})
+            except Exception:  # noqa: BLE001  (reported per case; the ranks meet at the barrier below)
+                results[name] = {"error": traceback.format_exc()}
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001  (a case that failed on the other rank only)
+                broken = name
+            (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
 
 
 def _device(options, rank):

@@ -4,7 +4,7 @@ hook firing inside the shard loop), gradient parity with an untiled single-proce
 import pytest
 
 from ddp_demo import run_rank
-from dist_workers import engine_case, rank_subset_calls, uneven_sequences
+from dist_workers import engine_cases, rank_subset_calls, uneven_sequences
 from harness import launch
 
 DDP_CASES = {
@@ -39,12 +39,20 @@ STACK_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def stack_results(variant_root, tmp_path_factory):
+    """Every case of STACK_CASES in one pair of ranks: per rank, {case: result}."""
+    cases = {name: {"engine": "ddp", "model": "mlps", **options} for name, options in STACK_CASES.items()}
+    return launch(engine_cases, 2, variant_root, {"cases": cases}, tmp_path_factory.mktemp("ddp"), timeout_s=400)
+
+
 @pytest.mark.parametrize("case", sorted(STACK_CASES))
-def test_ddp_gated_mlp_stack_matches_untiled_reference(variant_root, tmp_path, case):
+def test_ddp_gated_mlp_stack_matches_untiled_reference(stack_results, case):
     """A plain stack of tiled gated MLPs under DDP (fp32): gradients and weights after an SGD step with
     lr 1 within 1e-6 of an untiled single-process run on the global batch."""
-    options = {"engine": "ddp", "model": "mlps", **STACK_CASES[case]}
-    for result in launch(engine_case, 2, variant_root, options, tmp_path):
+    for results in stack_results:
+        result = results[case]
+        assert "error" not in result, result.get("error")
         assert result["missing"] == [], result
         assert result["grad_diff"] <= 1e-6 and result["weight_diff"] <= 1e-6, result
 
