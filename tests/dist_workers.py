@@ -108,24 +108,33 @@ def engine_cases(rank, world, port, variant_root, options, out_dir):
     run on the global batch (every gradient, and the weights after one SGD step with lr 1), for each of
     ``options["cases"]`` (name: options) in one process group per rank, so the suite starts the ranks once:
     {name: result}, where a case that raised holds its error. Every case builds its own models."""
+    with gloo_group(rank, world, port, backend=options.get("backend", "gloo")):
+        _each_case(options, rank, out_dir, lambda case: _engine_run(rank, world, Path(variant_root), case))
+
+
+def _each_case(options, rank, out_dir, run):
+    """``run(case)`` for each of ``options["cases"]`` (the backend added), the ranks meeting after each:
+    {name: result}, where a case that raised holds its error; written to ``out_dir`` after every case (a later
+    hang still leaves what ran)."""
     import traceback
 
-    backend = options.get("backend", "gloo")
     results, broken = {}, None
-    with gloo_group(rank, world, port, backend=backend):
-        for name, case in options["cases"].items():
-            if broken is not None:
-                results[name] = {"error": f"not run: the ranks lost each other in {broken!r}"}
-                continue
-            try:
-                results[name] = _engine_run(rank, world, Path(variant_root), {"backend": backend, **case})
-            except Exception:  # noqa: BLE001  (reported per case; the ranks meet at the barrier below)
-                results[name] = {"error": traceback.format_exc()}
-            try:
-                dist.barrier()
-            except Exception:  # noqa: BLE001  (a case that failed on the other rank only)
-                broken = name
+    for name, case in options["cases"].items():
+        if broken is not None:
+            results[name] = {"error": f"not run: the ranks lost each other in {broken!r}"}
+            continue
+        try:
+            results[name] = run({"backend": options.get("backend", "gloo"), **case})
+        except Exception:  # noqa: BLE001  (reported per case; the ranks meet at the barrier below)
+            results[name] = {"error": traceback.format_exc()}
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001  (a case that failed on the other rank only: it timed out in a collective)
+            broken = name
+            results[name].setdefault("error", "the ranks did not meet after this case:\n" + traceback.format_exc())
+        if out_dir is not None:
             (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+    return results
 
 
 def _device(options, rank):
@@ -277,7 +286,6 @@ def zero_cases(rank, world, port, variant_root, options, out_dir):
     builds and releases its own engine and models."""
     import copy
     import os
-    import traceback
 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -287,30 +295,13 @@ def zero_cases(rank, world, port, variant_root, options, out_dir):
     if options.get("backend") == "nccl":
         torch.cuda.set_device(rank)
     deepspeed.init_distributed(dist_backend=options.get("backend", "gloo"), timeout=datetime.timedelta(seconds=90))
-    results, broken = {}, None
     try:
-        for name, case in options["cases"].items():
-            if broken is not None:
-                results[name] = {"error": f"not run: the ranks lost each other in {broken!r}"}
-                continue
-            try:
-                case = {"backend": options.get("backend", "gloo"), **case}
-                results[name] = _zero_run(rank, world, Path(variant_root), case, deepspeed, copy)
-            except Exception:  # noqa: BLE001  (reported per case; the ranks meet at the barrier below)
-                results[name] = {"error": traceback.format_exc()}
-            try:
-                dist.barrier()
-            except Exception:  # noqa: BLE001  (a case that failed on the other rank only: it timed out in a collective)
-                broken = name
-                results[name].setdefault("error", "the ranks did not meet after this case:\n" + traceback.format_exc())
-            if out_dir is not None:  # after every case: a later hang still leaves what ran
-                (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
-        if out_dir is not None:
-            (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+        return _each_case(
+            options, rank, out_dir, lambda case: _zero_run(rank, world, Path(variant_root), case, deepspeed, copy)
+        )
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    return results
 
 
 def _zero_run(rank, world, variant_root, options, deepspeed, copy):
