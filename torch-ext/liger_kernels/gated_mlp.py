@@ -134,7 +134,7 @@ def _small_call(gate: torch.Tensor, up: torch.Tensor) -> bool:
         and type(up) is torch.Tensor
         and gate.shape == up.shape
         and not (torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
-        and not _gated.transforms_active(gate, up)
+        and not (_backend.forward_ad_active() or torch._C._are_functorch_transforms_active())
     )
 
 
