@@ -112,6 +112,23 @@ def engine_cases(rank, world, port, variant_root, options, out_dir):
         _each_case(options, rank, out_dir, lambda case: _engine_run(rank, world, Path(variant_root), case))
 
 
+def demo_cases(rank, world, port, variant_root, options, out_dir):
+    """tools/ddp_demo's training loop (the reporter's repro: DDP on gloo, the kernelized model against an untiled
+    reference) for each of ``options["cases"]`` in one process group per rank: {name: {"log": the loop's log}},
+    where a case that raised holds its error."""
+    import gc
+
+    from ddp_demo import train
+
+    def run(case):
+        log = train(rank, world, Path(variant_root), case)
+        gc.collect()  # DDP's reducer must go while its process group still exists
+        return {"log": log}
+
+    with gloo_group(rank, world, port, seconds=120):
+        _each_case(options, rank, out_dir, run)
+
+
 def _each_case(options, rank, out_dir, run):
     """``run(case)`` for each of ``options["cases"]`` (the backend added), the ranks meeting after each:
     {name: result}, where a case that raised holds its error; written to ``out_dir`` after every case (a later

@@ -3,8 +3,7 @@ hook firing inside the shard loop), gradient parity with an untiled single-proce
 
 import pytest
 
-from ddp_demo import run_rank
-from dist_workers import engine_cases, rank_subset_calls, uneven_sequences
+from dist_workers import demo_cases, engine_cases, rank_subset_calls, uneven_sequences
 from harness import launch
 
 DDP_CASES = {
@@ -16,14 +15,22 @@ DDP_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def demo_results(variant_root, tmp_path_factory):
+    """Every case of DDP_CASES in one pair of ranks: per rank, {case: {"log": ...}}."""
+    options = {"steps": 2, "seq": 256, "dtype": "float64", "num_shards": 4}
+    cases = {name: {**options, **case} for name, case in DDP_CASES.items()}
+    return launch(demo_cases, 2, variant_root, {"cases": cases}, tmp_path_factory.mktemp("demo"), timeout_s=400)
+
+
 @pytest.mark.parametrize("case", sorted(DDP_CASES))
-def test_ddp_tiny_llama_matches_untiled_reference(variant_root, tmp_path, case):
+def test_ddp_tiny_llama_matches_untiled_reference(demo_results, case):
     """The reporter's repro: 2 ranks, a 2-layer Llama whose MLPs are LigerTiledSwiGLUMLP (4 shards each),
     two steps. Backward completes, ranks agree, and the gradients and updated weights equal an untiled
     single-process run on the global batch (float64)."""
-    options = {"steps": 2, "seq": 256, "dtype": "float64", "num_shards": 4, **DDP_CASES[case]}
-    logs = launch(run_rank, 2, variant_root, options, tmp_path)
-    for log in logs:
+    for results in demo_results:
+        assert "error" not in results[case], results[case].get("error")
+        log = results[case]["log"]
         assert [entry["step"] for entry in log] == [0, 1]
         for entry in log:
             assert entry["ranks_agree"]
