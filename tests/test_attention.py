@@ -202,6 +202,149 @@ def test_double_backward_is_a_clear_error(lk):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# keep_attention_context: the forward kept across the checkpoint's recompute (through the CPU ops)
+
+
+@pytest.fixture
+def forced_grouped(lk, monkeypatch):
+    """Every unmasked call grouped (2 groups) through the CPU ops; returns the list of forward calls made."""
+    attention = lk.attention
+    forwards = []
+
+    def forward(*args):
+        forwards.append(args[0].shape)
+        return attention.CPU_OPS[0](*args)
+
+    monkeypatch.setattr(attention, "CUDNN_OPS", (forward, attention.CPU_OPS[1]))
+    monkeypatch.setattr(attention, "_grouped_call", lambda module, q, k, v, mask, *rest: 0 if mask is not None else 2)
+    return forwards
+
+
+def _checkpointed_llama(lk, context_fn=None):
+    model = tiny_llama()
+    kwargs = {"use_reentrant": False} if context_fn is None else {"use_reentrant": False, "context_fn": context_fn}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+    model.set_attn_implementation(lk.register_sdpa_attention("liger_sdpa_kept"))
+    return model
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_kept_attention_is_not_recomputed_and_changes_no_bit(lk, forced_grouped, offload):
+    """Under keep_attention_context each layer's attention forward runs once, not again in the recompute, and
+    the loss and gradients are bit for bit the plain checkpoint's; with a retained graph the second backward
+    gives the same gradients (from the host copies again, or, kept on the GPU and handed over, recomputed)."""
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    plain = _checkpointed_llama(lk)
+    want_loss, want_grads = loss_and_grads(plain, ids)
+    assert len(forced_grouped) == 4  # 2 layers, each again in its recompute
+    forced_grouped.clear()
+    model = _checkpointed_llama(lk, lambda: lk.keep_attention_context(offload=offload))
+    loss = model(input_ids=ids, labels=ids).loss
+    params = list(model.parameters())
+    first = torch.autograd.grad(loss, params, retain_graph=True)
+    assert len(forced_grouped) == 2
+    second = torch.autograd.grad(loss, params)
+    assert len(forced_grouped) == (2 if offload else 4)
+    assert torch.equal(loss, want_loss)
+    for grads in (first, second):
+        assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+
+
+def _attend_then_write(lk, q, k, v, write):
+    """A checkpointable function: the attention function, then (optionally) an in-place write into its output."""
+    module = torch.nn.Module()
+
+    def fn(q, k, v):
+        out = lk.sdpa_attention_forward(module, q, k, v, None)[0]
+        if write:
+            out.mul_(2)  # a model's in-place op on the attention output: replayed by the recompute too
+        return out.transpose(1, 2)  # [B, S, H, D] as the model gets it, back to q's [B, H, S, D] view
+
+    return fn
+
+
+@pytest.mark.parametrize("offload", [True, False])
+@pytest.mark.parametrize("write", [False, True])
+def test_kept_attention_is_the_forwards_own_copy(lk, forced_grouped, offload, write):
+    """The model may write into the attention output after the call (the recompute writes again): the store
+    keeps a copy of its own, so the recompute starts from the forward's values, as the plain checkpoint's does."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, d_out = qkv(1, 16, 4, 2, 8)
+    fn = _attend_then_write(lk, q, k, v, write)
+    want = torch.autograd.grad(checkpoint(fn, q, k, v, use_reentrant=False), (q, k, v), d_out)
+    context_fn = lambda: lk.keep_attention_context(offload=offload)  # noqa: E731
+    forced_grouped.clear()
+    got = torch.autograd.grad(checkpoint(fn, q, k, v, use_reentrant=False, context_fn=context_fn), (q, k, v), d_out)
+    assert len(forced_grouped) == 1
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_recomputed_call_that_is_not_the_forwards_computes_its_own(lk, forced_grouped):
+    """Each entry records its module and the inputs' shapes, strides and dtypes: a recomputed call that differs
+    (here: the recompute sees other shapes) computes its own forward instead of taking another call's."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, d_out = qkv(1, 16, 4, 2, 8)
+    fn = _attend_then_write(lk, q, k, v, False)
+    seen = []
+
+    def changing(q, k, v):  # the forward attends over all 16 positions, the recompute over the first 8
+        seen.append(1)
+        return fn(*(t if len(seen) == 1 else t[:, :, :8] for t in (q, k, v)))
+
+    forced_grouped.clear()
+    out = checkpoint(
+        changing, q, k, v, use_reentrant=False, context_fn=lk.keep_attention_context, determinism_check="none"
+    )
+    with pytest.raises(Exception):  # noqa: B017  (the checkpoint's own check of the recomputed shapes)
+        torch.autograd.grad(out, (q, k, v), d_out)
+    assert len(forced_grouped) == 2  # the mismatched recomputed call ran its own forward
+
+
+def test_the_store_goes_with_the_graph_and_nothing_is_kept_outside_a_checkpoint(lk, forced_grouped):
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, d_out = qkv(1, 16, 4, 2, 8)
+    fn = _attend_then_write(lk, q, k, v, False)
+    stores = []
+
+    def context_fn():
+        contexts = lk.keep_attention_context()
+        stores.append(weakref.ref(contexts[0].store))
+        return contexts
+
+    out = checkpoint(fn, q, k, v, use_reentrant=False, context_fn=context_fn)
+    assert len(stores[0]().entries) == 1
+    torch.autograd.grad(out, (q, k, v), d_out)
+    del out
+    gc.collect()
+    assert stores[0]() is None  # freed with the graph that held it
+    fn(q, k, v)  # outside a checkpoint: nothing to keep, nothing kept
+    with torch.no_grad():  # a checkpoint under no_grad runs the function plainly
+        checkpoint(fn, q, k, v, use_reentrant=False, context_fn=context_fn)
+    assert len(stores) == 2 and all(not s() or not s().entries for s in stores)
+    with pytest.raises(TypeError, match="`offload`"):
+        lk.keep_attention_context(offload="yes")
+    with pytest.raises(ValueError, match="use_reentrant=False"):  # torch's: the reentrant checkpoint takes none
+        checkpoint(fn, q, k, v, use_reentrant=True, context_fn=context_fn)
+
+
+def test_a_compiled_model_under_the_context_gives_the_plain_checkpoints_results(lk):
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    plain = _checkpointed_llama(lk)
+    want_loss, want_grads = loss_and_grads(plain, ids)
+    model = torch.compile(_checkpointed_llama(lk, lk.keep_attention_context), backend="eager")
+    loss, grads = loss_and_grads(model, ids)
+    assert torch.equal(loss, want_loss)
+    assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # GPU: the cuDNN path at Llama-3-8B's heads
 
 
@@ -336,6 +479,72 @@ def test_cuda_llama_on_the_registered_attention_equals_sdpa(lk):
     assert torch.equal(loss, want_loss)
     for got, want, ref in zip(grads, want_grads, ref_grads):
         assert rel_err(got, ref) < 1.1 * rel_err(want, ref) + 1e-3
+
+
+@pytest.mark.gpu
+def test_cuda_kept_results_come_back_as_the_forward_computed_them(lk):
+    """The host round trip (side-stream copies into pinned memory and back): the values the forward computed,
+    even where the model writes into the output right after the call and the logsumexps' memory is reused at
+    once (the copies run on another stream)."""
+    attention = lk.attention
+    q, k, v, _ = _cuda_case()
+    out, lse, state = attention._cudnn_forward(q, k, v, None)
+    want = (out.clone(), lse.clone())
+    store = attention._Store(offload=True)
+    store.put("call", out, lse, state)
+    out.fill_(float("nan"))  # queued on the compute stream while the copies may still run
+    del lse
+    junk = torch.full_like(want[1], float("nan"))  # takes the freed logsumexps' memory where it could
+    with attention._Context(store, replaying=True):
+        got_out, got_lse, got_state = store.take("call")
+    assert torch.equal(got_out, want[0]) and torch.equal(got_lse, want[1]) and got_state is state
+    assert got_out.is_cuda and got_out.stride() == want[0].stride() and junk.isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [True, False])
+def test_cuda_llama_with_kept_attention_equals_the_plain_checkpoint(lk, offload):
+    """A bf16 Llama under keep_attention_context: one cuDNN forward per layer instead of two, the plain
+    checkpoint's loss bit for bit and gradients as close to float64 (dq's fp32 atomics make no two cuDNN
+    backwards bit-equal); kept on the host, no more GPU memory at the peak than the plain checkpoint."""
+    attention = lk.attention
+    model = tiny_llama(device="cuda", dtype=torch.bfloat16, hidden=512, heads=4)
+    model.train()
+    model.set_attn_implementation(lk.register_sdpa_attention())
+    ids = torch.randint(0, 128, (1, 4096), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    reference = copy.deepcopy(model).double()
+    reference.set_attn_implementation("sdpa")
+    ref_loss, ref_grads = loss_and_grads(reference, ids)
+    del reference
+    forwards, original = [], attention.CUDNN_OPS
+    attention.MAX_GROUP_WORKSPACE, saved = 2**20, attention.MAX_GROUP_WORKSPACE  # split at this size too
+    attention.CUDNN_OPS = (lambda *a: forwards.append(1) or original[0](*a), original[1])
+    results = {}
+    try:
+        for name, context_fn in (("plain", None), ("kept", lambda: lk.keep_attention_context(offload=offload))):
+            kwargs = {"use_reentrant": False, **({"context_fn": context_fn} if context_fn else {})}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            loss_and_grads(model, ids)  # warm: the pinned blocks and cuDNN's plans exist before the peak is read
+            forwards.clear()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            loss, grads = loss_and_grads(model, ids)
+            torch.cuda.synchronize()
+            results[name] = (loss, grads, len(forwards), torch.cuda.max_memory_allocated() - before)
+            del loss, grads
+    finally:
+        attention.CUDNN_OPS = original
+        attention.MAX_GROUP_WORKSPACE = saved
+        model.set_attn_implementation("sdpa")
+    (plain_loss, plain_grads, plain_forwards, plain_peak), (loss, grads, kept_forwards, peak) = results.values()
+    layers = model.config.num_hidden_layers
+    assert (plain_forwards, kept_forwards) == (2 * layers, layers)
+    assert torch.equal(loss, plain_loss)
+    for got, want, ref in zip(grads, plain_grads, ref_grads):
+        assert rel_err(got, ref) < 1.1 * rel_err(want, ref) + 1e-3
+    if offload:
+        assert peak <= plain_peak, (peak, plain_peak)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["decode", "train"])

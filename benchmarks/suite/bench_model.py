@@ -8,7 +8,11 @@ checkpointing on (non-reentrant), batch 1, forward + backward of the causal-LM l
 - ``ours``: this package's tiled SwiGLU MLP bound on every LlamaMLP, its RMSNorm on every LlamaRMSNorm (when the
   package has ``LigerRMSNorm``), its rotary as modeling_llama's ``apply_rotary_pos_emb`` (restored after), its
   sdpa attention (``register_sdpa_attention``: the backward split by KV heads, when the package has it), and the
-  loss through ``causal_lm_loss`` (decoder, then the fused linear cross-entropy; no logits).
+  loss through ``causal_lm_loss`` (decoder, then the fused linear cross-entropy; no logits); on the 4-layer model
+  its checkpoints keep the attention's forward for the recompute (``keep_attention_context``, in pinned host
+  memory: S x 8 KiB a layer, which the 32-layer model's lengths would take past this machine's memory).
+- ``ours_recompute``: ``ours`` with the plain checkpoint (the attention forward recomputed), to show what keeping
+  it buys.
 - ``ours_sdpa``: ``ours`` with transformers' own sdpa attention, to show what the split backward buys.
 - ``ours_untiled``: ``ours`` with the fused (untiled) SwiGLU MLP, to show what tiling buys.
 
@@ -45,6 +49,7 @@ before each step, so their size, ``grads_gib``, is inside the figure), ``tokens_
 """
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -57,6 +62,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
@@ -82,7 +88,7 @@ LLAMA_RMS_NORM = modeling_llama.LlamaRMSNorm
 PATCHED_GLOBALS = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
 # What a variant may bind on a module instance (the peer also sets plain attributes such as ``offset`` on the
 # norms; the stock forwards never read those).
-INSTANCE_KEYS = ("forward", "_get_name", "extra_repr", "_mlp_forward", "num_shards")
+INSTANCE_KEYS = ("forward", "_get_name", "extra_repr", "_mlp_forward", "num_shards", "_gradient_checkpointing_func")
 
 LLAMA3_8B = {
     "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -93,7 +99,7 @@ LLAMA3_8B = {
 TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 1000}  # fmt: skip
 
-VARIANTS = ("ours", "ours_sdpa", "ours_untiled", "peer", "peer_tiled", "vanilla")
+VARIANTS = ("ours", "ours_recompute", "ours_sdpa", "ours_untiled", "peer", "peer_tiled", "vanilla")
 
 # Per phase: model, layers, fixed S, search start / step / cap. Quick mode: the tiny model on the CPU, with
 # out-of-memory simulated above a per-variant length so that the search and its recovery run too.
@@ -167,9 +173,10 @@ def _bind(module, name, function) -> None:
     module.__dict__[name] = types.MethodType(function, module)
 
 
-def apply_variant(name: str, model, num_shards=None):
+def apply_variant(name: str, model, num_shards=None, keep_attention=True):
     """Patch ``model`` as variant ``name``; returns ``(loss_fn(ids), saved, info)``; ``restore(model, saved)``
-    undoes it. ``info["rope_calls"]`` counts this package's rotary calls (ours)."""
+    undoes it. ``info["rope_calls"]`` counts this package's rotary calls (ours). ``keep_attention=False``: every
+    variant on the plain checkpoint."""
     saved = _snapshot(model)
     info = {"rope_calls": 0}
     mlps = [m for m in model.modules() if isinstance(m, LLAMA_MLP)]
@@ -190,8 +197,13 @@ def apply_variant(name: str, model, num_shards=None):
                 _bind(mlp, "_mlp_forward", PeerTiledSwiGLUMLP._mlp_forward)
                 _bind(mlp, "forward", PeerTiledSwiGLUMLP.forward)
         return stock_loss, saved, info
-    if name in ("ours", "ours_sdpa", "ours_untiled"):
+    if name in ("ours", "ours_recompute", "ours_sdpa", "ours_untiled"):
         tiled = name != "ours_untiled"
+        if keep_attention and name != "ours_recompute" and hasattr(lk, "keep_attention_context"):
+            # what gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) sets on every decoder layer
+            kept = functools.partial(checkpoint, use_reentrant=False, context_fn=lk.keep_attention_context)
+            for layer in model.model.layers:
+                layer.__dict__["_gradient_checkpointing_func"] = kept
         layer = lk.LigerTiledSwiGLUMLP if tiled else lk.LigerSwiGLUMLP
         for mlp in mlps:
             _bind(mlp, "forward", layer.forward)
@@ -375,7 +387,7 @@ class Bench:
         ids = torch.randint(0, vocab, (1, seq), generator=generator).to(self.device)
         oom_above = QUICK_OOM_ABOVE.get(variant) if self.quick else None
         steps, status, error = [], "ok", None
-        loss_fn, saved, info = apply_variant(variant, model)
+        loss_fn, saved, info = apply_variant(variant, model, keep_attention=phase != "32layer")
         try:
             for _ in range(warmup + timed):
                 steps.append(self._step(model, loss_fn, ids, oom_above))
@@ -644,8 +656,10 @@ def _env(device: str) -> dict:
            "has_LigerRMSNorm": hasattr(lk, "LigerRMSNorm"), "variants": available_variants(),
            "has_sdpa_attention": hasattr(lk, "register_sdpa_attention"),
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-           "gradient_checkpointing": "non-reentrant",
-           "attention": "sdpa; ours and ours_untiled: register_sdpa_attention's where the package has it"}  # fmt: skip
+           "gradient_checkpointing": "non-reentrant; ours, ours_sdpa, ours_untiled on the 4-layer model: "
+                                     "keep_attention_context where the package has it",
+           "attention": "sdpa; ours, ours_recompute, ours_untiled: register_sdpa_attention's where the package "
+                        "has it"}  # fmt: skip
     try:
         from importlib.metadata import version
 

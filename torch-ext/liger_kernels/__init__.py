@@ -14,7 +14,8 @@ Reading order for a newcomer:
   _hosts.py, gated_mlp.py   what a host module computes, and the gated MLP math the layers run
   tiled_mlp.py           the tiled MLP (with _tiling, _replay, _tiled_gated, _grad_sums, _zero3 beside it)
   layers.py, mapping.py  the kernelize layers and the mapping that names them
-  attention.py           transformers' sdpa attention, its long causal backward split by KV heads
+  attention.py           transformers' sdpa attention, its long causal backward split by KV heads, and its
+                         forward kept for the checkpoint's recompute (keep_attention_context)
 """
 
 from . import (
@@ -31,7 +32,7 @@ from . import (
     tiled_mlp,
 )
 from ._gated import gated_mul
-from .attention import register_sdpa_attention, sdpa_attention_forward
+from .attention import keep_attention_context, register_sdpa_attention, sdpa_attention_forward
 from .cross_entropy import CrossEntropyOutput
 from .fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction, liger_fused_linear_cross_entropy
 from .geglu import LigerGELUMulFunction, gelu_mul
@@ -79,6 +80,7 @@ __all__ = [
     "gated_mul",
     "geglu",
     "gelu_mul",
+    "keep_attention_context",
     "kernel_mapping",
     "layers",
     "liger_fused_linear_cross_entropy",

@@ -13,8 +13,15 @@ split costs nothing measurable).
 Use it as an attention implementation (``register_sdpa_attention``). Every call that is not a long causal
 training call, with no mask, on CUDA tensors for which PyTorch itself would choose cuDNN, is transformers' own
 ``sdpa_attention_forward``, unchanged.
+
+Under gradient checkpointing every layer's forward runs twice, its attention forward included: a tenth of a
+long step at 64k tokens, more beyond (attention is quadratic in S, the rest linear). ``keep_attention_context``
+is a ``context_fn`` for non-reentrant ``torch.utils.checkpoint`` under which those long calls keep what their
+forward computed (the output and its row logsumexps, in pinned host memory by default) and the recompute takes
+it back instead of running the attention again.
 """
 
+import threading
 import types
 
 import torch
@@ -100,13 +107,20 @@ class GroupedCausalAttention(torch.autograd.Function):
     Hkv): one forward call of ``ops``, and its backward one call per group of ``groups`` groups of KV heads."""
 
     @staticmethod
-    def forward(ctx, query, key, value, scale, groups, ops):
+    def forward(ctx, query, key, value, scale, groups, ops, kept=None):
         if type(groups) is not int or groups < 1 or key.shape[1] % groups or query.shape[1] % key.shape[1]:
             raise ValueError(
                 f"GroupedCausalAttention: `groups` must be a positive divisor of the {key.shape[1]} KV heads (and "
                 f"the {query.shape[1]} query heads a multiple of them), got {groups!r}"
             )
-        out, lse, state = ops[0](query, key, value, scale)
+        # kept: (store, signature) inside a checkpoint under keep_attention_context, else None
+        found = kept[0].take(kept[1]) if kept is not None else None
+        if found is not None:  # a recompute: the forward's own results
+            out, lse, state = found
+        else:
+            out, lse, state = ops[0](query, key, value, scale)
+            if kept is not None:
+                kept[0].put(kept[1], out, lse, state)
         ctx.save_for_backward(query, key, value, out, lse, *state)
         ctx.scale, ctx.groups, ctx.ops = scale, groups, ops
         return out
@@ -131,7 +145,174 @@ class GroupedCausalAttention(torch.autograd.Function):
             )
             for whole, part, heads in zip((d_query, d_key, d_value), grads, (q, kv, kv)):
                 whole[:, heads] = part
-        return d_query, d_key, d_value, None, None, None
+        return d_query, d_key, d_value, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The forward kept across a checkpoint's recompute.
+#
+# Non-reentrant torch.utils.checkpoint calls `context_fn` once per checkpointed call and enters the first context
+# around that call's forward, the second around each of its recomputes, which replay the forward's calls in the
+# same order. So one store per checkpointed call, filled in call order and read back in call order, pairs every
+# recomputed attention call with its own forward; each entry also records the module and the inputs' metadata,
+# and a call that does not match (or finds nothing) computes its forward as it would without the store.
+
+
+class _Kept:
+    """One grouped call's forward results: ``held`` (output, logsumexps) on the host or the GPU, the random
+    state, and, during a recompute, their way back to the GPU (``moving``)."""
+
+    __slots__ = ("signature", "held", "state", "device", "moving")
+
+    def __init__(self, signature, held, state, device):
+        self.signature, self.held, self.state, self.device, self.moving = signature, held, state, device, None
+
+
+class _Store:
+    """One checkpointed call's grouped attention results, in call order."""
+
+    def __init__(self, offload: bool):
+        self.offload = offload
+        self.entries = []
+        self.next = None  # the entry the next recomputed call takes; None outside a recompute
+
+    def put(self, signature, out, lse, state):
+        # The output goes on to the model, which may write into it or its views: the store's copy is its own.
+        # lse and the random state are saved for backward only, where nothing else holds them.
+        held = (out.clone(), lse)
+        self.entries.append(_Kept(signature, _to_host(held) if self.offload else held, state, out.device))
+
+    def prefetch(self):
+        """At a recompute's start, the entries kept on the host start back to the GPU (on a side stream)."""
+        self.next = 0
+        if self.offload:
+            for entry in self.entries:
+                if entry.moving is None:
+                    entry.moving = _to_device(entry.held, entry.device)
+
+    def finish(self):
+        """At a recompute's end (or its early stop): copies it did not take go."""
+        self.next = None
+        for entry in self.entries:
+            entry.moving = None
+
+    def take(self, signature):
+        """The next entry's (out, lse, state) where it is this call's, else None (the call computes its own)."""
+        if self.next is None or self.next >= len(self.entries):
+            return None
+        entry = self.entries[self.next]
+        self.next += 1
+        if entry.signature != signature:
+            return None
+        if not self.offload:  # handed over, so a second recompute (a retained graph) computes its own
+            self.entries[self.next - 1] = _Kept(None, None, None, None)
+            return (*entry.held, entry.state)
+        moving, entry.moving = entry.moving or _to_device(entry.held, entry.device), None
+        return (*_arrived(moving), entry.state)
+
+
+class _Context:
+    """Makes ``store`` the current thread's (recording, or replaying); re-enterable, as recomputes are."""
+
+    def __init__(self, store, replaying):
+        self.store, self.replaying = store, replaying
+
+    def __enter__(self):
+        if self.replaying:
+            self.store.prefetch()
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _stack().pop()
+        if self.replaying:
+            self.store.finish()
+        return False
+
+
+_LOCAL = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack
+
+
+def keep_attention_context(offload: bool = True):
+    """A ``context_fn`` for non-reentrant ``torch.utils.checkpoint``: inside each checkpointed call, the grouped
+    attention calls (``sdpa_attention_forward``'s long causal training calls) keep their forward's output and
+    logsumexps, and the recompute takes them back instead of running the attention forward again; gradients are
+    bit for bit the plain checkpoint's. ``offload=True`` keeps them in pinned host memory (copied on a side
+    stream; the GPU holds no more than under the plain checkpoint), ``offload=False`` on the GPU (about
+    S x hidden x 2 bytes per layer more)::
+
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": lk.keep_attention_context})
+    """
+    if type(offload) is not bool:
+        raise TypeError(f"keep_attention_context: `offload` must be a bool, got {offload!r}")
+    store = _Store(offload)
+    return _Context(store, False), _Context(store, True)
+
+
+def _kept(module, query, key, value, scale, groups):
+    """(store, this call's signature) inside a checkpointed call under ``keep_attention_context``, else None."""
+    stack = getattr(_LOCAL, "stack", None)
+    if not stack:
+        return None
+    inputs = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (query, key, value))
+    return stack[-1].store, (module, scale, groups, inputs)
+
+
+_COPY_STREAMS = {}
+
+
+def _copy_stream(device: torch.device):
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def _to_host(tensors):
+    """Copies of CUDA ``tensors`` in pinned host memory, made on a side stream once the work queued so far is
+    done; CPU tensors are kept as they are."""
+    if not tensors[0].is_cuda:
+        return tensors
+    stream = _copy_stream(tensors[0].device)
+    stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
+    hosts = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True) for t in tensors)
+    with torch.cuda.stream(stream):
+        for host, t in zip(hosts, tensors):
+            host.copy_(t, non_blocking=True)
+            t.record_stream(stream)  # its memory is not reused before the copy has read it
+    return hosts
+
+
+def _to_device(held, device: torch.device):
+    """(copies of the pinned ``held`` tensors on ``device``, the event marking them done), made on the side
+    stream after its host copies; on the CPU (where ``_to_host`` kept the tensors) clones: the recompute may
+    write into what it gets, and a retained graph's next recompute takes them again."""
+    if device.type == "cpu":
+        return tuple(t.clone() for t in held), None
+    gpus = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in held)
+    stream = _copy_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # the buffers' previous users are done
+    with torch.cuda.stream(stream):
+        for gpu, host in zip(gpus, held):
+            gpu.copy_(host, non_blocking=True)
+            gpu.record_stream(stream)
+    return gpus, stream.record_event()
+
+
+def _arrived(moving):
+    """The GPU copies of ``_to_device``, once the current stream has waited for them."""
+    tensors, done = moving
+    if done is not None:
+        torch.cuda.current_stream(tensors[0].device).wait_event(done)
+    return tensors
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -202,7 +383,9 @@ def sdpa_attention_forward(
     _check_mask_function(module)
     groups = _grouped_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     if groups:
-        out = GroupedCausalAttention.apply(query, key, value, scaling, groups, CUDNN_OPS)
+        out = GroupedCausalAttention.apply(
+            query, key, value, scaling, groups, CUDNN_OPS, _kept(module, query, key, value, scaling, groups)
+        )
         return out.transpose(1, 2).contiguous(), None
     return _transformers().stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)  # fmt: skip
