@@ -303,6 +303,51 @@ def test_a_recomputed_call_that_is_not_the_forwards_computes_its_own(lk, forced_
     assert len(forced_grouped) == 2  # the mismatched recomputed call ran its own forward
 
 
+def test_two_recomputes_at_once_each_take_their_own(lk):
+    """Two threads may recompute one retained graph at once: each recompute keeps its own place in the store
+    (here two calls of one module with one shape, which only their order tells apart), and neither ends the
+    other's."""
+    import threading
+
+    recording, replaying = lk.keep_attention_context()
+    kept = [(torch.full((2,), float(i)), torch.full((2,), -float(i)), ()) for i in (1, 2)]
+    with recording:
+        for item in kept:
+            lk.attention._stack()[-1].forward("one module, one shape", lambda item=item: item)
+
+    def computed():
+        raise AssertionError("a recomputed call computed its own forward")
+
+    def recompute(into):
+        with replaying:
+            into.extend(lk.attention._stack()[-1].forward("one module, one shape", computed)[0] for _ in kept)
+
+    mine, others = [], []
+    with replaying:
+        mine.append(lk.attention._stack()[-1].forward("one module, one shape", computed)[0])
+        other = threading.Thread(target=recompute, args=(others,))
+        other.start()
+        other.join()  # the other thread's whole recompute, between this one's two calls
+        mine.append(lk.attention._stack()[-1].forward("one module, one shape", computed)[0])
+    for got in (mine, others):
+        assert [t.tolist() for t in got] == [[1.0, 1.0], [2.0, 2.0]]
+    assert lk.attention._stack() == []
+
+
+def test_a_pair_of_contexts_made_once_is_a_clear_error(lk, forced_grouped):
+    """A context_fn must return new contexts per checkpointed call (torch calls it once per call): a pair made
+    once and returned for every layer would pair one layer's recompute with another's forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, _ = qkv(1, 16, 4, 2, 8)
+    fn = _attend_then_write(lk, q, k, v, False)
+    pair = lk.keep_attention_context()
+    checkpoint(fn, q, k, v, use_reentrant=False, context_fn=lambda: pair)
+    with pytest.raises(RuntimeError, match="not a pair made once"):
+        checkpoint(fn, q, k, v, use_reentrant=False, context_fn=lambda: pair)
+    assert lk.attention._stack() == []
+
+
 def test_the_store_goes_with_the_graph_and_nothing_is_kept_outside_a_checkpoint(lk, forced_grouped):
     import gc
     import weakref
@@ -490,13 +535,19 @@ def test_cuda_kept_results_come_back_as_the_forward_computed_them(lk):
     q, k, v, _ = _cuda_case()
     out, lse, state = attention._cudnn_forward(q, k, v, None)
     want = (out.clone(), lse.clone())
-    store = attention._Store(offload=True)
-    store.put("call", out, lse, state)
+    recording, replaying = lk.keep_attention_context(offload=True)
+    forward = [(out, lse, state)]
+    with recording:
+        attention._kept(None, q, k, v, None, 2)[0].forward("call", forward.pop)
     out.fill_(float("nan"))  # queued on the compute stream while the copies may still run
     del lse
     junk = torch.full_like(want[1], float("nan"))  # takes the freed logsumexps' memory where it could
-    with attention._Context(store, replaying=True):
-        got_out, got_lse, got_state = store.take("call")
+
+    def computed():
+        raise AssertionError("the recompute computed its own forward")
+
+    with replaying:
+        got_out, got_lse, got_state = attention._kept(None, q, k, v, None, 2)[0].forward("call", computed)
     assert torch.equal(got_out, want[0]) and torch.equal(got_lse, want[1]) and got_state is state
     assert got_out.is_cuda and got_out.stride() == want[0].stride() and junk.isnan().all()
 

@@ -113,14 +113,11 @@ class GroupedCausalAttention(torch.autograd.Function):
                 f"GroupedCausalAttention: `groups` must be a positive divisor of the {key.shape[1]} KV heads (and "
                 f"the {query.shape[1]} query heads a multiple of them), got {groups!r}"
             )
-        # kept: (store, signature) inside a checkpoint under keep_attention_context, else None
-        found = kept[0].take(kept[1]) if kept is not None else None
-        if found is not None:  # a recompute: the forward's own results
-            out, lse, state = found
-        else:
+        # kept: (this checkpointed call's pass, the call's signature) under keep_attention_context, else None
+        if kept is None:
             out, lse, state = ops[0](query, key, value, scale)
-            if kept is not None:
-                kept[0].put(kept[1], out, lse, state)
+        else:
+            out, lse, state = kept[0].forward(kept[1], lambda: ops[0](query, key, value, scale))
         ctx.save_for_backward(query, key, value, out, lse, *state)
         ctx.scale, ctx.groups, ctx.ops = scale, groups, ops
         return out
@@ -159,74 +156,93 @@ class GroupedCausalAttention(torch.autograd.Function):
 
 
 class _Kept:
-    """One grouped call's forward results: ``held`` (output, logsumexps) on the host or the GPU, the random
-    state, and, during a recompute, their way back to the GPU (``moving``)."""
+    """One split call's forward results: ``held`` (output, logsumexps) on the host, or on the GPU until a
+    recompute takes them (``_Store.on_gpu``), and the random state."""
 
-    __slots__ = ("signature", "held", "state", "device", "moving")
+    __slots__ = ("signature", "held", "state", "device")
 
     def __init__(self, signature, held, state, device):
-        self.signature, self.held, self.state, self.device, self.moving = signature, held, state, device, None
+        self.signature, self.held, self.state, self.device = signature, held, state, device
 
 
 class _Store:
-    """One checkpointed call's grouped attention results, in call order."""
+    """One checkpointed call's split attention results, in call order."""
 
     def __init__(self, offload: bool):
         self.offload = offload
         self.entries = []
-        self.next = None  # the entry the next recomputed call takes; None outside a recompute
+        self.on_gpu = {}  # offload=False: entry index -> (out, lse), until a recompute takes them
+        self.recorded = False
 
-    def put(self, signature, out, lse, state):
-        # The output goes on to the model, which may write into it or its views: the store's copy is its own.
-        # lse and the random state are saved for backward only, where nothing else holds them.
+
+class _Recording:
+    """The checkpointed call's forward: each split call computes its forward and the store keeps it."""
+
+    def __init__(self, context):
+        self.context, self.store = context, context.store
+
+    def forward(self, signature, compute):
+        out, lse, state = compute()
+        # The output goes on to the model, which may write into it or its views (and the recompute writes
+        # again): the store's copy is its own. lse and the random state go to backward only.
         held = (out.clone(), lse)
-        self.entries.append(_Kept(signature, _to_host(held) if self.offload else held, state, out.device))
+        store = self.store
+        if not store.offload:
+            store.on_gpu[len(store.entries)] = held
+            held = None
+        elif held[0].is_cuda:
+            held = _to_host(held)
+        store.entries.append(_Kept(signature, held, state, out.device))
+        return out, lse, state
 
-    def prefetch(self):
-        """At a recompute's start, the entries kept on the host start back to the GPU (on a side stream)."""
-        self.next = 0
-        if self.offload:
-            for entry in self.entries:
-                if entry.moving is None:
-                    entry.moving = _to_device(entry.held, entry.device)
 
-    def finish(self):
-        """At a recompute's end (or its early stop): copies it did not take go."""
-        self.next = None
-        for entry in self.entries:
-            entry.moving = None
+class _Replay:
+    """One recompute: its place in the store and the copies it started back to the GPU. Per pass, not per
+    store: two threads may recompute one retained graph at once."""
 
-    def take(self, signature):
-        """The next entry's (out, lse, state) where it is this call's, else None (the call computes its own)."""
-        if self.next is None or self.next >= len(self.entries):
-            return None
-        entry = self.entries[self.next]
-        self.next += 1
-        if entry.signature != signature:
-            return None
-        if not self.offload:  # handed over, so a second recompute (a retained graph) computes its own
-            self.entries[self.next - 1] = _Kept(None, None, None, None)
-            return (*entry.held, entry.state)
-        moving, entry.moving = entry.moving or _to_device(entry.held, entry.device), None
+    def __init__(self, context):
+        self.context, self.store, self.next = context, context.store, 0
+        # the host's copies start back at the recompute's start, so they overlap its norm and projections
+        self.moving = [_to_device(e.held, e.device) if e.held is not None else None for e in self.store.entries]
+
+    def forward(self, signature, compute):
+        """The forward's own results where the next entry is this call's, else the call's own forward."""
+        index, self.next = self.next, self.next + 1
+        entries = self.store.entries
+        if index >= len(entries) or entries[index].signature != signature:
+            return compute()
+        entry = entries[index]
+        if entry.held is None:  # on the GPU: handed over once (dict.pop is atomic), then recomputed
+            held = self.store.on_gpu.pop(index, None)
+            return compute() if held is None else (*held, entry.state)
+        moving, self.moving[index] = self.moving[index], None
         return (*_arrived(moving), entry.state)
 
 
 class _Context:
-    """Makes ``store`` the current thread's (recording, or replaying); re-enterable, as recomputes are."""
+    """The context torch's checkpoint enters around a checkpointed call's forward (``replaying=False``) or
+    around each of its recomputes; re-enterable, from any thread."""
 
     def __init__(self, store, replaying):
         self.store, self.replaying = store, replaying
 
     def __enter__(self):
-        if self.replaying:
-            self.store.prefetch()
-        _stack().append(self)
+        if not self.replaying:
+            if self.store.recorded:
+                raise RuntimeError(
+                    "keep_attention_context: a pair of contexts serves one checkpointed call; pass the function "
+                    "itself as context_fn (context_fn=lk.keep_attention_context), not a pair made once"
+                )
+            self.store.recorded = True
+        _stack().append(_Replay(self) if self.replaying else _Recording(self))
         return self
 
     def __exit__(self, *exc):
-        _stack().pop()
-        if self.replaying:
-            self.store.finish()
+        stack = _stack()
+        for i in range(len(stack) - 1, -1, -1):  # this context's own pass, wherever it is
+            if stack[i].context is self:
+                del stack[i]  # a replay's untaken copies go with it
+                break
         return False
 
 
@@ -243,9 +259,10 @@ def _stack() -> list:
 def keep_attention_context(offload: bool = True):
     """A ``context_fn`` for non-reentrant ``torch.utils.checkpoint``: inside each checkpointed call, the grouped
     attention calls (``sdpa_attention_forward``'s long causal training calls) keep their forward's output and
-    logsumexps, and the recompute takes them back instead of running the attention forward again; gradients are
-    bit for bit the plain checkpoint's. ``offload=True`` keeps them in pinned host memory (copied on a side
-    stream; the GPU holds no more than under the plain checkpoint), ``offload=False`` on the GPU (about
+    logsumexps, and the recompute takes them back instead of running the attention forward again. Gradients are
+    bit for bit the plain checkpoint's wherever the recompute sees the forward's inputs and parameters (what the
+    checkpoint itself assumes). ``offload=True`` keeps them in pinned host memory (copied on a side stream; the
+    GPU holds no more at its peak than under the plain checkpoint), ``offload=False`` on the GPU (about
     S x hidden x 2 bytes per layer more)::
 
         model.gradient_checkpointing_enable(
@@ -258,12 +275,13 @@ def keep_attention_context(offload: bool = True):
 
 
 def _kept(module, query, key, value, scale, groups):
-    """(store, this call's signature) inside a checkpointed call under ``keep_attention_context``, else None."""
+    """(the current checkpointed call's pass, this call's signature) under ``keep_attention_context``, else
+    None."""
     stack = getattr(_LOCAL, "stack", None)
     if not stack:
         return None
     inputs = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (query, key, value))
-    return stack[-1].store, (module, scale, groups, inputs)
+    return stack[-1], (module, scale, groups, inputs)
 
 
 _COPY_STREAMS = {}
@@ -278,41 +296,41 @@ def _copy_stream(device: torch.device):
 
 def _to_host(tensors):
     """Copies of CUDA ``tensors`` in pinned host memory, made on a side stream once the work queued so far is
-    done; CPU tensors are kept as they are."""
-    if not tensors[0].is_cuda:
-        return tensors
+    done (the tensors' memory is held for that stream until the copies have read it)."""
     stream = _copy_stream(tensors[0].device)
     stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
     hosts = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True) for t in tensors)
     with torch.cuda.stream(stream):
         for host, t in zip(hosts, tensors):
             host.copy_(t, non_blocking=True)
-            t.record_stream(stream)  # its memory is not reused before the copy has read it
+            t.record_stream(stream)
     return hosts
 
 
 def _to_device(held, device: torch.device):
     """(copies of the pinned ``held`` tensors on ``device``, the event marking them done), made on the side
-    stream after its host copies; on the CPU (where ``_to_host`` kept the tensors) clones: the recompute may
-    write into what it gets, and a retained graph's next recompute takes them again."""
+    stream after its host copies, into memory allocated on that stream: the copy need not wait for the work
+    queued on the compute stream. On the CPU (where nothing went to a host) clones: the recompute may write
+    into what it gets, and a retained graph's next recompute takes them again."""
     if device.type == "cpu":
         return tuple(t.clone() for t in held), None
-    gpus = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in held)
     stream = _copy_stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))  # the buffers' previous users are done
     with torch.cuda.stream(stream):
-        for gpu, host in zip(gpus, held):
-            gpu.copy_(host, non_blocking=True)
-            gpu.record_stream(stream)
-    return gpus, stream.record_event()
+        copies = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in held)
+        for copy, host in zip(copies, held):
+            copy.copy_(host, non_blocking=True)
+        return copies, stream.record_event()
 
 
 def _arrived(moving):
-    """The GPU copies of ``_to_device``, once the current stream has waited for them."""
-    tensors, done = moving
+    """The copies of ``_to_device`` for the current stream: it waits for them, and their memory is held for it."""
+    copies, done = moving
     if done is not None:
-        torch.cuda.current_stream(tensors[0].device).wait_event(done)
-    return tensors
+        current = torch.cuda.current_stream(copies[0].device)
+        current.wait_event(done)
+        for copy in copies:
+            copy.record_stream(current)
+    return copies
 
 
 # ----------------------------------------------------------------------------------------------------------
