@@ -287,20 +287,12 @@ def fsdp2_stale_compute_params(rank, world, port, variant_root, options, out_dir
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"error": error}))
 
 
-def zero_case(rank, world, port, variant_root, options, out_dir):
-    """DeepSpeed ZeRO (stage 2 or 3) with tiled MLPs against an untiled single-process run on the global
-    batch: every gradient (gathered), and the weights after one SGD step with lr 1."""
-    batch = {"backend": options.get("backend", "gloo"), "cases": {"case": options}}
-    result = zero_cases(rank, world, port, variant_root, batch, None)["case"]
-    if "error" in result:
-        raise RuntimeError(result["error"])
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
-
-
 def zero_cases(rank, world, port, variant_root, options, out_dir):
-    """``zero_case`` for each of ``options["cases"]`` (name: options) in one process per rank, so the suite
-    pays for starting DeepSpeed once: {name: result}, where a case that raised holds its error. Every case
-    builds and releases its own engine and models."""
+    """DeepSpeed ZeRO (stage 2 or 3) with tiled MLPs against an untiled single-process run on the global batch
+    (every gradient, gathered, and the weights after one SGD step with lr 1; or, with ``count_collectives``,
+    the collectives a step issues), for each of ``options["cases"]`` (name: options) in one process per rank,
+    so the suite pays for starting DeepSpeed once: {name: result}, where a case that raised holds its error.
+    Every case builds and releases its own engine and models."""
     import copy
     import os
 
@@ -458,12 +450,15 @@ def _count_collectives(lk, engine, loss_of, rank):
     the counts matter: the weights move freely."""
     agreed, harmonize = [], lk._tiling.harmonize_num_shards
     lk._tiling.harmonize_num_shards = lambda count, x: agreed.append(count) or harmonize(count, x)
-    engine.backward(loss_of(engine, rank, 0))
-    engine.step()
-    counts = {}
-    for seq in (128, 128, 512, 512):
-        counts[seq] = _collectives(lambda seq=seq: engine.backward(loss_of(engine, rank, 0, seq)))
+    try:
+        engine.backward(loss_of(engine, rank, 0))
         engine.step()
+        counts = {}
+        for seq in (128, 128, 512, 512):
+            counts[seq] = _collectives(lambda seq=seq: engine.backward(loss_of(engine, rank, 0, seq)))
+            engine.step()
+    finally:  # the process runs other cases after this one
+        lk._tiling.harmonize_num_shards = harmonize
     return {"collectives": counts, "agreed": len(agreed)}
 
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the README's test command")
 
-from dist_workers import zero_case, zero_cases  # noqa: E402
+from dist_workers import zero_cases  # noqa: E402
 from harness import launch  # noqa: E402
 
 # DeepSpeed JIT-builds a small communication op on first use; keep it inside the environment.
@@ -47,12 +47,30 @@ CASES = {
 }
 
 
+COLLECTIVE_CASES = {  # name: (options, whether the count may grow with the shards)
+    "the package's layer: gathered once around the call by DeepSpeed": ({"model": "mlps"}, False),
+    "the package's layer called outside the engine's forward: gathered once by the call": (
+        {"model": "mlps", "direct": 1},
+        False,
+    ),
+    "a user's fn, MLP a ZeRO-3 leaf: gathered once by DeepSpeed": ({"model": "mlps_generic", "leaf": True}, False),
+    "a user's fn on hooked projections: gathered per shard": ({"model": "mlps_generic"}, True),
+}
+
+
+COUNTED = "collectives counted: "
+
+
 @pytest.fixture(scope="module")
 def zero_results(variant_root, tmp_path_factory):
-    """Every case of CASES, run in one pair of ranks (starting DeepSpeed costs more than a case): per rank,
-    {case: result}. ZeRO-2 first: a ZeRO-3 engine replaces F.linear for the rest of its process, which a ZeRO-2
-    process never sees."""
-    cases = dict(sorted(CASES.items(), key=lambda item: item[1]["stage"]))
+    """Every case of CASES and COLLECTIVE_CASES, run in one pair of ranks (starting DeepSpeed costs more than a
+    case): per rank, {case: result}. ZeRO-2 first: a ZeRO-3 engine replaces F.linear for the rest of its
+    process, which a ZeRO-2 process never sees."""
+    counted = {
+        COUNTED + name: {**options, "stage": 3, "count_collectives": True}
+        for name, (options, _) in COLLECTIVE_CASES.items()
+    }
+    cases = dict(sorted({**CASES, **counted}.items(), key=lambda item: item[1]["stage"]))
     return launch(zero_cases, 2, variant_root, {"cases": cases}, tmp_path_factory.mktemp("zero"), timeout_s=900)
 
 
@@ -69,25 +87,15 @@ def test_zero_matches_untiled_reference(zero_results, case):
         assert result["weight_diff"] <= 1e-6, result
 
 
-COLLECTIVE_CASES = {  # name: (options, whether the count may grow with the shards)
-    "the package's layer: gathered once around the call by DeepSpeed": ({"model": "mlps"}, False),
-    "the package's layer called outside the engine's forward: gathered once by the call": (
-        {"model": "mlps", "direct": 1},
-        False,
-    ),
-    "a user's fn, MLP a ZeRO-3 leaf: gathered once by DeepSpeed": ({"model": "mlps_generic", "leaf": True}, False),
-    "a user's fn on hooked projections: gathered per shard": ({"model": "mlps_generic"}, True),
-}
-
-
 @pytest.mark.parametrize("case", sorted(COLLECTIVE_CASES))
-def test_no_collective_runs_per_shard(variant_root, tmp_path, case):
+def test_no_collective_runs_per_shard(zero_results, case):
     """The collectives in a ZeRO-3 forward and backward of three tiled MLPs, at 2 and at 8 shards: the same
     count, so none runs inside the shard loop, and no tiled call agrees its shard count across ranks. The
     per-shard layout (a user's fn calling projections that DeepSpeed hooks) is the control: there the count
     grows with the shards, so the counter sees them, and the shard count is agreed."""
-    options, grows = COLLECTIVE_CASES[case]
-    for result in launch(zero_case, 2, variant_root, {**options, "stage": 3, "count_collectives": True}, tmp_path):
+    grows = COLLECTIVE_CASES[case][1]
+    for result in (results[COUNTED + case] for results in zero_results):
+        assert "error" not in result, result["error"]
         (engine_two, c10d_two), (engine_eight, c10d_eight) = result["collectives"]["128"], result["collectives"]["512"]
         assert engine_two > 0, result  # the engine's own gathers and reductions are counted
         if grows:
