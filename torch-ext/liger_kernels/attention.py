@@ -215,7 +215,7 @@ class _Replay:
         if entry.held is None:  # on the GPU: handed over once (dict.pop is atomic), then recomputed
             held = self.store.on_gpu.pop(index, None)
             return compute() if held is None else (*held, entry.state)
-        moving, self.moving[index] = self.moving[index], None
+        moving, self.moving[index] = self.moving[index] or _to_device(entry.held, entry.device), None
         return (*_arrived(moving), entry.state)
 
 
