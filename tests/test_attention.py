@@ -334,6 +334,26 @@ def test_two_recomputes_at_once_each_take_their_own(lk):
     assert lk.attention._stack() == []
 
 
+def test_a_recompute_that_starts_while_its_forward_records_takes_the_later_entries_too(lk):
+    """A backward through an intermediate of a checkpointed forward still running in another thread starts a
+    recompute before the forward has recorded every call: the replay takes the later entries as well."""
+    recording, replaying = lk.keep_attention_context()
+    kept = [(torch.full((2,), float(i)), torch.full((2,), -float(i)), ()) for i in (1, 2)]
+
+    def computed():
+        raise AssertionError("a recomputed call computed its own forward")
+
+    with recording:
+        forward = lk.attention._stack()[-1]
+        forward.forward("call", lambda: kept[0])
+        with replaying:
+            replay = lk.attention._stack()[-1]
+            assert replay.forward("call", computed)[0].tolist() == [1.0, 1.0]
+            forward.forward("call", lambda: kept[1])  # recorded after the replay began
+            assert replay.forward("call", computed)[0].tolist() == [2.0, 2.0]
+    assert lk.attention._stack() == []
+
+
 def test_a_pair_of_contexts_made_once_is_a_clear_error(lk, forced_grouped):
     """A context_fn must return new contexts per checkpointed call (torch calls it once per call): a pair made
     once and returned for every layer would pair one layer's recompute with another's forward."""

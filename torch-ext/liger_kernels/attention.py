@@ -203,7 +203,8 @@ class _Replay:
     def __init__(self, context):
         self.context, self.store, self.next = context, context.store, 0
         # the host's copies start back at the recompute's start, so they overlap its norm and projections
-        self.moving = [_to_device(e.held, e.device) if e.held is not None else None for e in self.store.entries]
+        # (by index: a forward still recording in another thread may add entries after this replay began)
+        self.moving = {i: _to_device(e.held, e.device) for i, e in enumerate(self.store.entries) if e.held is not None}
 
     def forward(self, signature, compute):
         """The forward's own results where the next entry is this call's, else the call's own forward."""
@@ -215,7 +216,7 @@ class _Replay:
         if entry.held is None:  # on the GPU: handed over once (dict.pop is atomic), then recomputed
             held = self.store.on_gpu.pop(index, None)
             return compute() if held is None else (*held, entry.state)
-        moving, self.moving[index] = self.moving[index] or _to_device(entry.held, entry.device), None
+        moving = self.moving.pop(index, None) or _to_device(entry.held, entry.device)
         return (*_arrived(moving), entry.state)
 
 
@@ -260,10 +261,11 @@ def keep_attention_context(offload: bool = True):
     """A ``context_fn`` for non-reentrant ``torch.utils.checkpoint``: inside each checkpointed call, the grouped
     attention calls (``sdpa_attention_forward``'s long causal training calls) keep their forward's output and
     logsumexps, and the recompute takes them back instead of running the attention forward again. Gradients are
-    bit for bit the plain checkpoint's wherever the recompute sees the forward's inputs and parameters (what the
-    checkpoint itself assumes). ``offload=True`` keeps them in pinned host memory (copied on a side stream; the
-    GPU holds no more at its peak than under the plain checkpoint), ``offload=False`` on the GPU (about
-    S x hidden x 2 bytes per layer more)::
+    bit for bit the plain checkpoint's wherever the recompute sees the forward's inputs, parameters and random
+    state (what the checkpoint itself assumes; not with ``preserve_rng_state=False`` and dropout before it).
+    ``offload=True`` keeps them in pinned host memory (copied on a side stream; the GPU holds no more at its
+    peak than under the plain checkpoint), ``offload=False`` on the GPU (about S x hidden x 2 bytes per layer
+    more)::
 
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": lk.keep_attention_context})
