@@ -554,7 +554,7 @@ def test_cuda_kept_results_come_back_as_the_forward_computed_them(lk):
     attention = lk.attention
     q, k, v, _ = _cuda_case()
     out, lse, state = attention._cudnn_forward(q, k, v, None)
-    want = (out.clone(), lse.clone())
+    want = (out.clone(), lse.clone(), tuple(t.clone() for t in state))
     recording, replaying = lk.keep_attention_context(offload=True)
     forward = [(out, lse, state)]
     with recording:
@@ -568,8 +568,11 @@ def test_cuda_kept_results_come_back_as_the_forward_computed_them(lk):
 
     with replaying:
         got_out, got_lse, got_state = attention._kept(None, q, k, v, None, 2)[0].forward("call", computed)
-    assert torch.equal(got_out, want[0]) and torch.equal(got_lse, want[1]) and got_state is state
-    assert got_out.is_cuda and got_out.stride() == want[0].stride() and junk.isnan().all()
+    assert torch.equal(got_out, want[0]) and torch.equal(got_lse, want[1]) and junk.isnan().all()
+    assert len(got_state) == len(want[2]) and all(
+        g.device == w.device and torch.equal(g, w) for g, w in zip(got_state, want[2])
+    )  # the random state's tensors come back to where they were, with their values
+    assert got_out.is_cuda and got_out.stride() == want[0].stride()
 
 
 @pytest.mark.gpu

@@ -156,13 +156,13 @@ class GroupedCausalAttention(torch.autograd.Function):
 
 
 class _Kept:
-    """One split call's forward results: ``held`` (output, logsumexps) on the host, or on the GPU until a
-    recompute takes them (``_Store.on_gpu``), and the random state."""
+    """One split call's forward results, ``held`` = (output, logsumexps, *random state): on the host (``moved``
+    marks those copied from the GPU), or on the GPU until a recompute takes them (``_Store.on_gpu``)."""
 
-    __slots__ = ("signature", "held", "state", "device")
+    __slots__ = ("signature", "held", "moved", "device")
 
-    def __init__(self, signature, held, state, device):
-        self.signature, self.held, self.state, self.device = signature, held, state, device
+    def __init__(self, signature, held, moved, device):
+        self.signature, self.held, self.moved, self.device = signature, held, moved, device
 
 
 class _Store:
@@ -184,15 +184,18 @@ class _Recording:
     def forward(self, signature, compute):
         out, lse, state = compute()
         # The output goes on to the model, which may write into it or its views (and the recompute writes
-        # again): the store's copy is its own. lse and the random state go to backward only.
-        held = (out.clone(), lse)
+        # again): the store's copy is its own. lse and the random state go to backward only. The random state's
+        # tensors travel with the rest: on the GPU they would be held there until the backward, where the plain
+        # checkpoint frees them after the forward and makes its own in the recompute.
+        held = (out.clone(), lse, *state)
+        moved = tuple(t.is_cuda for t in held)
         store = self.store
         if not store.offload:
             store.on_gpu[len(store.entries)] = held
             held = None
-        elif held[0].is_cuda:
-            held = _to_host(held)
-        store.entries.append(_Kept(signature, held, state, out.device))
+        elif any(moved):
+            held = _to_host(held, moved)
+        store.entries.append(_Kept(signature, held, moved, out.device))
         return out, lse, state
 
 
@@ -204,7 +207,9 @@ class _Replay:
         self.context, self.store, self.next = context, context.store, 0
         # the host's copies start back at the recompute's start, so they overlap its norm and projections
         # (by index: a forward still recording in another thread may add entries after this replay began)
-        self.moving = {i: _to_device(e.held, e.device) for i, e in enumerate(self.store.entries) if e.held is not None}
+        self.moving = {
+            i: _to_device(e.held, e.moved, e.device) for i, e in enumerate(self.store.entries) if e.held is not None
+        }
 
     def forward(self, signature, compute):
         """The forward's own results where the next entry is this call's, else the call's own forward."""
@@ -215,9 +220,11 @@ class _Replay:
         entry = entries[index]
         if entry.held is None:  # on the GPU: handed over once (dict.pop is atomic), then recomputed
             held = self.store.on_gpu.pop(index, None)
-            return compute() if held is None else (*held, entry.state)
-        moving = self.moving.pop(index, None) or _to_device(entry.held, entry.device)
-        return (*_arrived(moving), entry.state)
+            if held is None:
+                return compute()
+        else:
+            held = _arrived(self.moving.pop(index, None) or _to_device(entry.held, entry.moved, entry.device))
+        return held[0], held[1], tuple(held[2:])
 
 
 class _Context:
@@ -296,42 +303,53 @@ def _copy_stream(device: torch.device):
     return stream
 
 
-def _to_host(tensors):
-    """Copies of CUDA ``tensors`` in pinned host memory, made on a side stream once the work queued so far is
-    done (the tensors' memory is held for that stream until the copies have read it)."""
-    stream = _copy_stream(tensors[0].device)
-    stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
-    hosts = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True) for t in tensors)
+def _to_host(tensors, moved):
+    """``tensors`` with each CUDA one (``moved``) replaced by a copy in pinned host memory, made on a side stream
+    once the work queued so far is done (the tensors' memory is held for that stream until the copies have
+    read it)."""
+    device = next(t.device for t, m in zip(tensors, moved) if m)
+    stream = _copy_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    hosts = []
     with torch.cuda.stream(stream):
-        for host, t in zip(hosts, tensors):
-            host.copy_(t, non_blocking=True)
-            t.record_stream(stream)
-    return hosts
+        for t, m in zip(tensors, moved):
+            if m:
+                host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t.record_stream(stream)
+                t = host
+            hosts.append(t)
+    return tuple(hosts)
 
 
-def _to_device(held, device: torch.device):
-    """(copies of the pinned ``held`` tensors on ``device``, the event marking them done), made on the side
-    stream after its host copies, into memory allocated on that stream: the copy need not wait for the work
-    queued on the compute stream. On the CPU (where nothing went to a host) clones: the recompute may write
-    into what it gets, and a retained graph's next recompute takes them again."""
-    if device.type == "cpu":
+def _to_device(held, moved, device: torch.device):
+    """(``held`` with the pinned copies of ``moved`` ones back on ``device``, the event marking them done),
+    copied on the side stream after its host copies, into memory allocated on that stream: the copy need not
+    wait for the work queued on the compute stream. Where nothing went to a host (the CPU) clones: the
+    recompute may write into what it gets, and a retained graph's next recompute takes them again."""
+    if not any(moved):
         return tuple(t.clone() for t in held), None
     stream = _copy_stream(device)
     with torch.cuda.stream(stream):
-        copies = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in held)
-        for copy, host in zip(copies, held):
-            copy.copy_(host, non_blocking=True)
-        return copies, stream.record_event()
+        copies = []
+        for host, m in zip(held, moved):
+            if m:
+                copy = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+                copy.copy_(host, non_blocking=True)
+                host = copy
+            copies.append(host)
+        return tuple(copies), stream.record_event()
 
 
 def _arrived(moving):
     """The copies of ``_to_device`` for the current stream: it waits for them, and their memory is held for it."""
     copies, done = moving
     if done is not None:
-        current = torch.cuda.current_stream(copies[0].device)
+        current = torch.cuda.current_stream(copies[0].device)  # the output: always a CUDA copy here
         current.wait_event(done)
         for copy in copies:
-            copy.record_stream(current)
+            if copy.is_cuda:
+                copy.record_stream(current)
     return copies
 
 
