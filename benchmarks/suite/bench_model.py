@@ -11,6 +11,12 @@ checkpointing on (non-reentrant), batch 1, forward + backward of the causal-LM l
   loss through ``causal_lm_loss`` (decoder, then the fused linear cross-entropy; no logits); on the 4-layer model
   its checkpoints keep the attention's forward for the recompute (``keep_attention_context``, in pinned host
   memory: S x 8 KiB a layer, which the 32-layer model's lengths would take past this machine's memory).
+- ``ours_layers``: every decoder layer sequence-tiled (``tile_decoder_layers``: each layer one autograd node
+  that keeps its input, K, V and the attention output in pinned host memory, no checkpoint), the final norm
+  LigerRMSNorm, and the loss through ``causal_lm_loss``; 4-layer model only (host memory, as below).
+- ``ours_offload``: ``ours`` with the checkpoints' inputs (each layer's hidden states) in pinned host memory, as
+  transformers' ``gradient_checkpointing_enable(offload=True)`` keeps them (``save_on_cpu`` around each
+  checkpoint: copies on the compute stream); 4-layer model only, as ``keep_attention_context``.
 - ``ours_recompute``: ``ours`` with the plain checkpoint (the attention forward recomputed), to show what keeping
   it buys.
 - ``ours_sdpa``: ``ours`` with transformers' own sdpa attention, to show what the split backward buys.
@@ -88,7 +94,9 @@ LLAMA_RMS_NORM = modeling_llama.LlamaRMSNorm
 PATCHED_GLOBALS = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
 # What a variant may bind on a module instance (the peer also sets plain attributes such as ``offset`` on the
 # norms; the stock forwards never read those).
-INSTANCE_KEYS = ("forward", "_get_name", "extra_repr", "_mlp_forward", "num_shards", "_gradient_checkpointing_func")
+INSTANCE_KEYS = (
+    "forward", "_get_name", "extra_repr", "_mlp_forward", "num_shards", "_gradient_checkpointing_func", "_tiled_chunk",
+)  # fmt: skip
 
 LLAMA3_8B = {
     "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -99,7 +107,11 @@ LLAMA3_8B = {
 TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 1000}  # fmt: skip
 
-VARIANTS = ("ours", "ours_recompute", "ours_sdpa", "ours_untiled", "peer", "peer_tiled", "vanilla")
+FOUR_LAYER_ONLY = ("ours_offload", "ours_layers")
+VARIANTS = (
+    "ours", "ours_layers", "ours_offload", "ours_recompute", "ours_sdpa", "ours_untiled",
+    "peer", "peer_tiled", "vanilla",
+)  # fmt: skip
 
 # Per phase: model, layers, fixed S, search start / step / cap. Quick mode: the tiny model on the CPU, with
 # out-of-memory simulated above a per-variant length so that the search and its recovery run too.
@@ -173,9 +185,23 @@ def _bind(module, name, function) -> None:
     module.__dict__[name] = types.MethodType(function, module)
 
 
+def _offloaded_checkpoint(function, *args, **kwargs):
+    """transformers' ``gradient_checkpointing_enable(offload=True)``: what the checkpoint saves for its recompute
+    (the layer's inputs) goes to pinned host memory."""
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        return checkpoint(function, *args, **kwargs)
+
+
+def _counted(tiled_forward, info, *args, **kwargs):
+    out = tiled_forward(*args, **kwargs)
+    info["rope_calls"] += type(out.grad_fn).__name__ == "TiledDecoderLayerBackward"
+    return out
+
+
 def apply_variant(name: str, model, num_shards=None, keep_attention=True):
     """Patch ``model`` as variant ``name``; returns ``(loss_fn(ids), saved, info)``; ``restore(model, saved)``
-    undoes it. ``info["rope_calls"]`` counts this package's rotary calls (ours). ``keep_attention=False``: every
+    undoes it. ``info["rope_calls"]`` counts this package's rotary calls (ours; ours_layers: the calls that ran
+    tiled, whose rotary runs inside). ``keep_attention=False``: every
     variant on the plain checkpoint."""
     saved = _snapshot(model)
     info = {"rope_calls": 0}
@@ -197,11 +223,22 @@ def apply_variant(name: str, model, num_shards=None, keep_attention=True):
                 _bind(mlp, "_mlp_forward", PeerTiledSwiGLUMLP._mlp_forward)
                 _bind(mlp, "forward", PeerTiledSwiGLUMLP.forward)
         return stock_loss, saved, info
-    if name in ("ours", "ours_recompute", "ours_sdpa", "ours_untiled"):
+    if name == "ours_layers":
+        if lk.tile_decoder_layers(model) != len(model.model.layers):
+            raise RuntimeError("tile_decoder_layers did not take every decoder layer")
+        for layer in model.model.layers:  # count the calls that ran tiled (the rotary runs inside them)
+            layer.__dict__["forward"] = functools.partial(_counted, layer.__dict__["forward"], info)
+        _bind(model.model.norm, "forward", lk.LigerRMSNorm.forward)
+        return (lambda ids: lk.causal_lm_loss(model, ids, labels=ids)), saved, info
+    if name in ("ours", "ours_offload", "ours_recompute", "ours_sdpa", "ours_untiled"):
         tiled = name != "ours_untiled"
         if keep_attention and name != "ours_recompute" and hasattr(lk, "keep_attention_context"):
-            # what gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) sets on every decoder layer
-            kept = functools.partial(checkpoint, use_reentrant=False, context_fn=lk.keep_attention_context)
+            # what gradient_checkpointing_enable(gradient_checkpointing_kwargs=..., offload=...) sets on every
+            # decoder layer
+            kept = functools.partial(
+                _offloaded_checkpoint if name == "ours_offload" else checkpoint,
+                use_reentrant=False, context_fn=lk.keep_attention_context,
+            )  # fmt: skip
             for layer in model.model.layers:
                 layer.__dict__["_gradient_checkpointing_func"] = kept
         layer = lk.LigerTiledSwiGLUMLP if tiled else lk.LigerSwiGLUMLP
@@ -656,8 +693,9 @@ def _env(device: str) -> dict:
            "has_LigerRMSNorm": hasattr(lk, "LigerRMSNorm"), "variants": available_variants(),
            "has_sdpa_attention": hasattr(lk, "register_sdpa_attention"),
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-           "gradient_checkpointing": "non-reentrant; ours, ours_sdpa, ours_untiled on the 4-layer model: "
-                                     "keep_attention_context where the package has it",
+           "gradient_checkpointing": "non-reentrant; ours, ours_offload, ours_sdpa, ours_untiled on the 4-layer "
+                                     "model: keep_attention_context where the package has it; ours_offload: "
+                                     "the checkpoints' inputs in pinned host memory",
            "attention": "sdpa; ours, ours_recompute, ours_untiled: register_sdpa_attention's where the package "
                         "has it"}  # fmt: skip
     try:
@@ -717,7 +755,9 @@ def run(budget_s: float = 300.0, only: str | None = None, device: str = "cuda", 
         # With both phases, the 4-layer one leaves 45% of the budget to the 32-layer one.
         bench.phase_deadline = bench.start + 0.55 * budget_s if len(phases) > 1 and i == 0 else bench.deadline
         spec = specs[name] if search else {k: v for k, v in specs[name].items() if k not in ("start", "cap")}
-        _phase(bench, name, spec, dtype, variants, confirm and search)
+        # 32 layers' host copies at those lengths would take past this machine's memory (the docstring)
+        phase_variants = [v for v in variants if name != "32layer" or v not in FOUR_LAYER_ONLY]
+        _phase(bench, name, spec, dtype, phase_variants, confirm and search)
     bench.result["elapsed_s"] = time.perf_counter() - bench.start
     bench.save()
     if quick:

@@ -16,12 +16,14 @@ Reading order for a newcomer:
   layers.py, mapping.py  the kernelize layers and the mapping that names them
   attention.py           transformers' sdpa attention, its long causal backward split by KV heads, and its
                          forward kept for the checkpoint's recompute (keep_attention_context)
+  decoder_layer.py       a Llama-form decoder layer run over chunks of the sequence (tile_decoder_layers)
 """
 
 from . import (
     activations,
     attention,
     cross_entropy,
+    decoder_layer,
     fused_linear_cross_entropy,
     geglu,
     layers,
@@ -34,6 +36,7 @@ from . import (
 from ._gated import gated_mul
 from .attention import keep_attention_context, register_sdpa_attention, sdpa_attention_forward
 from .cross_entropy import CrossEntropyOutput
+from .decoder_layer import tile_decoder_layers, untile_decoder_layers
 from .fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction, liger_fused_linear_cross_entropy
 from .geglu import LigerGELUMulFunction, gelu_mul
 from .layers import (
@@ -76,6 +79,7 @@ __all__ = [
     "attention",
     "causal_lm_loss",
     "cross_entropy",
+    "decoder_layer",
     "fused_linear_cross_entropy",
     "gated_mul",
     "geglu",
@@ -95,5 +99,7 @@ __all__ = [
     "sdpa_attention_forward",
     "silu_mul",
     "swiglu",
+    "tile_decoder_layers",
     "tiled_mlp",
+    "untile_decoder_layers",
 ]

@@ -1,0 +1,577 @@
+"""A Llama-form decoder layer run over chunks of the sequence, one autograd node per layer that keeps the
+layer's input and what its attention computed, never the layer's activations at full length:
+``tile_decoder_layers(model)``.
+
+Why. Under gradient checkpointing a layer's backward recomputes the whole layer at once: at 131,072 tokens of
+Llama-3-8B width the first layer's backward holds the recomputed norm output, the rotated queries, the
+attention output, its gradient and dq (S x hidden each), beside the weights' gradients (benchmarks/NOTES.md
+§26, §29). Here forward and backward both run chunk by chunk (``chunk`` tokens):
+
+forward, chunk c = [s0, s1):
+    n1 = rms_norm(x_c);  q = rope(n1 Wqᵀ), k = rope(n1 Wkᵀ), v = n1 Wvᵀ;  K[s0:s1], V[s0:s1] = k, v
+    o = causal attention of q over K[:s1], V[:s1]: the diagonal block (causal) and the keys before it (no
+        mask), merged by their logsumexps
+    h = x_c + o Woᵀ;  z_c = h + down(act(n2 Wgᵀ) * (n2 Wuᵀ)),  n2 = rms_norm(h)
+
+backward, chunks in reverse: the chunk's forward is recomputed but for o, which the forward kept. Causality
+makes chunk c the last to send gradient to its own keys, so after chunk c's attention backward its rows of
+dK and dV are complete and its projections' backward runs at once; dK and dV are the only full-length sums
+(fp32). The weights' gradients are summed over chunks in fp32 (``_grad_sums``) and cast once.
+
+Kept from forward to backward: a copy of the input x, K, V and o, on CUDA in pinned host memory (copied on a
+side stream, started back one chunk ahead; (2 + 2 kv_heads / heads) x S x hidden x 2 bytes of host memory per
+layer in bf16), the logsumexps (fp32, on the device) and the attention calls' random state. The layer's
+gradient checkpoint is not needed: a tiled layer is its own (``tile_decoder_layers`` bypasses the model's
+checkpoint for the calls it serves).
+
+Served: decoder layers whose forward and attention forward are Llama's, with RMSNorms of a form ``rms_norm``
+computes, plain ``nn.Linear`` projections (attention biases allowed, none on the MLP), a gated MLP of a
+registered activation, sdpa's attention (under a name containing "sdpa") with no mask, no cache and no
+dropout; tensors on CUDA in bf16/fp16 (cuDNN's attention) or on the CPU. Any other call runs the layer's own
+forward.
+"""
+
+import functools
+import inspect
+import textwrap
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _backend, _grad_sums, _hosts
+from . import attention as _attention
+from . import gated_mlp as _gated_mlp
+from ._gated import gated_forward, gated_recompute_backward
+from .rms_norm import norm_backward, norm_forward
+from .rotary import rotary_backward, rotary_forward
+
+aten = torch.ops.aten
+
+DEFAULT_CHUNK = 8192
+# Tokens per MLP step within a chunk: its three [rows, intermediate] buffers (336 MiB at I = 14336 in bf16).
+MLP_ROWS = 4096
+
+# ----------------------------------------------------------------------------------------------------------
+# The attention pieces: cuDNN's SDPA (what F.scaled_dot_product_attention runs for bf16/fp16 on an H100/H200),
+# and the CPU flash ops with the same contract. ``causal`` is cuDNN's top-left causal mask: for the diagonal
+# block, whose queries and keys are the same positions, that is the layer's causal mask.
+
+
+def _cudnn_forward(q, k, v, scale, causal):
+    out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )
+    return out, lse, (seed, offset)
+
+
+def _cudnn_backward(d_out, q, k, v, out, lse, state, scale, causal):
+    seed, offset = state
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        d_out, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale
+    )
+
+
+def _cpu_forward(q, k, v, scale, causal):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_backward(d_out, q, k, v, out, lse, state, scale, causal):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(d_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+CUDNN_OPS = (_cudnn_forward, _cudnn_backward)
+CPU_OPS = (_cpu_forward, _cpu_backward)
+
+
+def _ops_for(x: torch.Tensor):
+    """The attention ops for ``x``'s device and dtype, or None where the tiled layer does not run."""
+    if x.device.type == "cpu":
+        return CPU_OPS
+    if (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and torch.backends.cudnn.is_available()
+        and torch.backends.cuda.cudnn_sdp_enabled()
+    ):
+        return CUDNN_OPS
+    return None
+
+
+def _merge(o_diag, lse_diag, o_past, lse_past, out):
+    """Write into ``out`` the attention over both pieces' keys: each piece's output weighted by its share of
+    the row's exp-sum, exp(lse_piece - lse). Returns the merged lse."""
+    lse = torch.logaddexp(lse_diag, lse_past)
+    wide = torch.promote_types(o_diag.dtype, torch.float32)
+    rows = (*out.shape[:3], 1)  # lse is [B, heads, c] (or with a trailing 1)
+    merged = o_past.to(wide).mul_((lse_past - lse).exp_().reshape(rows))
+    merged.addcmul_(o_diag.to(wide), (lse_diag - lse).exp_().reshape(rows))
+    out.copy_(merged)
+    return lse
+
+
+def _backward_groups(q_heads, kv_heads, batch, q_len, k_len, head_dim) -> int:
+    """The fewest groups of KV heads whose cuDNN backward workspace each stays within the attention module's
+    bound: an fp32 dq accumulator (4 bytes per element of q) and, with shared KV heads, dk and dv expanded to
+    the query heads in 16 bits (4 bytes per query head, key and dim)."""
+    per_q_head = batch * head_dim * (4 * q_len + (4 * k_len if q_heads != kv_heads else 0))
+    for groups in range(1, kv_heads + 1):
+        if kv_heads % groups == 0 and q_heads // groups * per_q_head <= _attention.MAX_GROUP_WORKSPACE:
+            return groups
+    return kv_heads
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the forward keeps: on CUDA a pinned host copy (made on a side stream after the work queued so far; the
+# source's memory is held for that stream), on the CPU the tensor itself. Only the layer's own buffers go
+# there: nothing else writes into them.
+
+
+def _keep(t: torch.Tensor):
+    return _attention._to_host((t,), (True,))[0] if t.is_cuda else t
+
+
+def _fetch(held: torch.Tensor, device: torch.device):
+    """Start ``held`` back to ``device``; ``_arrived`` of the result is the tensor, ready for the current stream."""
+    if device.type != "cuda":
+        return (held,), None
+    return _attention._to_device((held,), (True,), device)
+
+
+def _arrived(moving) -> torch.Tensor:
+    return _attention._arrived(moving)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The layer's math.
+
+
+class Spec(types.SimpleNamespace):
+    """heads, kv_heads, head_dim, scale; norm1, norm2: (eps, offset, llama); activation; chunk; ops."""
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _projections(spec, x_c, w1, wq, bq, wk, bk, wv, bv, cos_c, sin_c, store_rstd=False):
+    """(n1, rstd1, q, k, v) for one chunk; q, k, v as [B, heads, c, D] views of [B, c, heads, D] storage (the
+    layout transformers hands the attention), q and k rotated."""
+    batch, c, _ = x_c.shape
+    n1, rstd1 = norm_forward(x_c, w1, *spec.norm1, store_rstd)
+    d = spec.head_dim
+    q = F.linear(n1, wq, bq).view(batch, c, spec.heads, d).transpose(1, 2)
+    k = F.linear(n1, wk, bk).view(batch, c, spec.kv_heads, d).transpose(1, 2)
+    v = F.linear(n1, wv, bv).view(batch, c, spec.kv_heads, d).transpose(1, 2)
+    q, k = rotary_forward(q, k, cos_c, sin_c)
+    return n1, rstd1, q, k, v
+
+
+def _bshd(batch, c, heads, d, dtype, device) -> torch.Tensor:
+    """An uninitialized [B, heads, c, D] tensor stored as [B, c, heads, D]."""
+    return torch.empty(batch, c, heads, d, dtype=dtype, device=device).transpose(1, 2)
+
+
+def _attend(spec, q, keys, values, s0, s1):
+    """(o in [B, c, heads, D] storage, lse, random states) of the chunk's queries over keys [0, s1)."""
+    forward = spec.ops[0]
+    o_diag, lse_diag, state_diag = forward(q, keys[:, :, s0:s1], values[:, :, s0:s1], spec.scale, True)
+    o = _bshd(q.shape[0], q.shape[2], q.shape[1], q.shape[3], q.dtype, q.device)
+    if s0 == 0:
+        o.copy_(o_diag)
+        return o, lse_diag, (state_diag,)
+    o_past, lse_past, state_past = forward(q, keys[:, :, :s0], values[:, :, :s0], spec.scale, False)
+    return o, _merge(o_diag, lse_diag, o_past, lse_past, o), (state_diag, state_past)
+
+
+def _mlp_forward(spec, n2_rows, wg, wu, wd):
+    out = torch.empty(n2_rows.shape[0], wd.shape[0], dtype=n2_rows.dtype, device=n2_rows.device)
+    for r0 in range(0, n2_rows.shape[0], MLP_ROWS):
+        rows = n2_rows[r0 : r0 + MLP_ROWS]
+        hidden = gated_forward(F.linear(rows, wg), F.linear(rows, wu), spec.activation)
+        torch.mm(hidden, wd.t(), out=out[r0 : r0 + MLP_ROWS])
+    return out
+
+
+def forward(spec, x, cos, sin, params):
+    """(z, kept) for the layer's input ``x`` [B, S, H]; no autograd."""
+    w1, wq, bq, wk, bk, wv, bv, wo, bo, w2, wg, wu, wd = params
+    batch, seq, _ = x.shape
+    d = spec.head_dim
+    keys = _bshd(batch, seq, spec.kv_heads, d, x.dtype, x.device)
+    values = _bshd(batch, seq, spec.kv_heads, d, x.dtype, x.device)
+    z = torch.empty_like(x, memory_format=torch.contiguous_format)
+    kept = types.SimpleNamespace(x=[], o=[], lse=[], states=[], bounds=[])
+    for s0 in range(0, seq, spec.chunk):
+        s1 = min(seq, s0 + spec.chunk)
+        x_c = x[:, s0:s1]
+        cos_c, sin_c = cos[:, s0:s1].unsqueeze(1), sin[:, s0:s1].unsqueeze(1)
+        _, _, q, k, v = _projections(spec, x_c, w1, wq, bq, wk, bk, wv, bv, cos_c, sin_c)
+        keys[:, :, s0:s1] = k
+        values[:, :, s0:s1] = v
+        o, lse, states = _attend(spec, q, keys, values, s0, s1)
+        h = x_c + F.linear(o.transpose(1, 2).reshape(batch, s1 - s0, -1), wo, bo)
+        n2, _ = norm_forward(h, w2, *spec.norm2, False)
+        z[:, s0:s1] = h + _mlp_forward(spec, _rows(n2), wg, wu, wd).view_as(h)
+        # the caller may write into x after the call: the copy kept is of a private clone
+        kept.x.append(_keep(x_c.clone(memory_format=torch.contiguous_format)))
+        kept.o.append(_keep(o))
+        kept.lse.append(lse)
+        kept.states.append(states)
+        kept.bounds.append((s0, s1))
+    kept.keys, kept.values = _keep(keys), _keep(values)
+    return z, kept
+
+
+def backward(spec, kept, d_z, cos, sin, params, needs):
+    """(d_x, gradients of ``params``) from the output's gradient ``d_z``; ``needs``: which parameters want a
+    gradient."""
+    w1, wq, bq, wk, bk, wv, bv, wo, bo, w2, wg, wu, wd = params
+    device, dtype = d_z.device, params[1].dtype
+    batch, seq, hidden = d_z.shape
+    d, heads, kv_heads = spec.head_dim, spec.heads, spec.kv_heads
+    keys = _arrived(_fetch(kept.keys, device))
+    values = _arrived(_fetch(kept.values, device))
+    wide = torch.promote_types(dtype, torch.float32)
+    d_keys = torch.zeros(batch, seq, kv_heads, d, dtype=wide, device=device).transpose(1, 2)
+    d_values = torch.zeros(batch, seq, kv_heads, d, dtype=wide, device=device).transpose(1, 2)
+    d_x = torch.empty(batch, seq, hidden, dtype=d_z.dtype, device=device)
+    sums = [None] * len(params)
+    mm = _grad_sums.add_matmul
+    n_chunks = len(kept.bounds)
+
+    def start(i):
+        return _fetch(kept.x[i], device), _fetch(kept.o[i], device)
+
+    coming = start(n_chunks - 1)
+    for i in range(n_chunks - 1, -1, -1):
+        moving, coming = coming, (start(i - 1) if i else None)
+        x_c, o = _arrived(moving[0]), _arrived(moving[1])
+        s0, s1 = kept.bounds[i]
+        c = s1 - s0
+        cos_c, sin_c = cos[:, s0:s1].unsqueeze(1), sin[:, s0:s1].unsqueeze(1)
+        n1, rstd1, q, _, _ = _projections(spec, x_c, w1, wq, bq, wk, bk, wv, bv, cos_c, sin_c, store_rstd=True)
+        o_rows = o.transpose(1, 2).reshape(batch * c, heads * d)
+        h = x_c + F.linear(o_rows, wo, bo).view_as(x_c)
+        n2, rstd2 = norm_forward(h, w2, *spec.norm2, True)
+        n2_rows = _rows(n2)
+        d_z_rows = _rows(d_z[:, s0:s1])
+
+        # MLP: d_n2 from d_z, rows at a time; gated_recompute_backward writes d_gate, d_up over the gate and up
+        # buffers and the activation's output over d_hidden.
+        d_n2 = torch.empty_like(n2_rows)
+        for r0 in range(0, batch * c, MLP_ROWS):
+            rows, d_rows = n2_rows[r0 : r0 + MLP_ROWS], d_z_rows[r0 : r0 + MLP_ROWS]
+            gate, up = F.linear(rows, wg), F.linear(rows, wu)
+            hidden_out = gated_recompute_backward(d_rows @ wd, gate, up, spec.activation)
+            d_gate, d_up = gate, up
+            if needs[12]:
+                sums[12] = mm(sums[12], d_rows.t(), hidden_out)
+            if needs[10]:
+                sums[10] = mm(sums[10], d_gate.t(), rows)
+            if needs[11]:
+                sums[11] = mm(sums[11], d_up.t(), rows)
+            torch.mm(d_gate, wg, out=d_n2[r0 : r0 + MLP_ROWS]).addmm_(d_up, wu)
+        d_h_norm, d_w2 = norm_backward(d_n2.view_as(h), h, w2, rstd2, *spec.norm2, True, needs[9])
+        sums[9] = _grad_sums.accumulate(sums[9], d_w2)
+        d_h = d_z[:, s0:s1] + d_h_norm
+        d_h_rows = _rows(d_h)
+
+        # o_proj
+        if needs[7]:
+            sums[7] = mm(sums[7], d_h_rows.t(), o_rows)
+        if needs[8] and bo is not None:
+            sums[8] = _grad_sums.accumulate(sums[8], _grad_sums.row_sum(d_h_rows))
+        d_o = (d_h_rows @ wo).view(batch, c, heads, d).transpose(1, 2)
+
+        # attention, per piece and group of KV heads; the pieces' backward takes the merged output and lse,
+        # which give each piece's share of the softmax and the rows' dO.O
+        d_q = torch.empty(batch, c, heads, d, dtype=wide, device=device).transpose(1, 2)
+        lse = kept.lse[i]
+        pieces = [(s0, s1, True, kept.states[i][0])]
+        if s0:
+            pieces.append((0, s0, False, kept.states[i][1]))
+        for first, (k0, k1, causal, state) in enumerate(pieces):
+            groups = _backward_groups(heads, kv_heads, batch, c, k1 - k0, d)
+            per_q, per_kv = heads // groups, kv_heads // groups
+            for g in range(groups):
+                qh, kvh = slice(g * per_q, (g + 1) * per_q), slice(g * per_kv, (g + 1) * per_kv)
+                dq_g, dk_g, dv_g = spec.ops[1](
+                    d_o[:, qh], q[:, qh], keys[:, kvh, k0:k1], values[:, kvh, k0:k1], o[:, qh],
+                    lse[:, qh].contiguous(), state, spec.scale, causal,
+                )  # fmt: skip
+                if first == 0:
+                    d_q[:, qh] = dq_g
+                else:
+                    d_q[:, qh] += dq_g
+                d_keys[:, kvh, k0:k1] += dk_g
+                d_values[:, kvh, k0:k1] += dv_g
+
+        # this chunk's keys have all their gradient now: q, k, v projections and the input norm
+        d_q_low = _bshd(batch, c, heads, d, dtype, device).copy_(d_q)
+        d_k_low = _bshd(batch, c, kv_heads, d, dtype, device).copy_(d_keys[:, :, s0:s1])
+        d_v_low = _bshd(batch, c, kv_heads, d, dtype, device).copy_(d_values[:, :, s0:s1])
+        d_q_low, d_k_low = rotary_backward(d_q_low, d_k_low, cos_c, sin_c, dtype, dtype)
+        n1_rows = _rows(n1)
+        d_n1 = None
+        for index, grad, weight in ((1, d_q_low, wq), (3, d_k_low, wk), (5, d_v_low, wv)):
+            grad_rows = grad.transpose(1, 2).reshape(batch * c, -1)
+            if needs[index]:
+                sums[index] = mm(sums[index], grad_rows.t(), n1_rows)
+            if needs[index + 1] and params[index + 1] is not None:
+                sums[index + 1] = _grad_sums.accumulate(sums[index + 1], _grad_sums.row_sum(grad_rows))
+            d_n1 = grad_rows @ weight if d_n1 is None else d_n1.addmm_(grad_rows, weight)
+        d_x_norm, d_w1 = norm_backward(d_n1.view_as(x_c), x_c, w1, rstd1, *spec.norm1, True, needs[0])
+        sums[0] = _grad_sums.accumulate(sums[0], d_w1)
+        torch.add(d_h, d_x_norm, out=d_x[:, s0:s1])
+    return d_x, _grad_sums.cast_each(sums, params)
+
+
+class TiledDecoderLayer(torch.autograd.Function):
+    """The layer's output from its input ``x``, ``cos``, ``sin`` and its 13 parameters (w1, wq, bq, wk, bk, wv,
+    bv, wo, bo, w2, wg, wu, wd; biases may be None), with ``spec`` (see ``Spec``)."""
+
+    @staticmethod
+    def forward(ctx, spec, x, cos, sin, *params):
+        z, kept = forward(spec, x, cos, sin, params)
+        ctx.spec, ctx.kept = spec, kept
+        ctx.save_for_backward(cos, sin, *params)
+        return z
+
+    @staticmethod
+    def backward(ctx, d_z):
+        if torch.is_grad_enabled():  # create_graph: these gradients have no derivative of their own
+            raise RuntimeError(
+                "tile_decoder_layers: double backward through a tiled decoder layer is not supported; untile the "
+                "model (untile_decoder_layers) for it"
+            )
+        cos, sin, *params = ctx.saved_tensors
+        needs = [n and p is not None for n, p in zip(ctx.needs_input_grad[4:], params)]
+        d_x, grads = backward(ctx.spec, ctx.kept, d_z, cos, sin, params, needs)
+        return (None, d_x if ctx.needs_input_grad[1] else None, None, None, *grads)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which layers and calls are served. A layer's class must have Llama's decoder-layer forward and its attention
+# Llama's attention forward (their source, read once per class), so the math above is exactly what the layer
+# computes; each call must then be one the tiled path reproduces.
+
+_LLAMA_SOURCES = None
+
+
+def _llama_sources():
+    global _LLAMA_SOURCES
+    if _LLAMA_SOURCES is None:
+        from transformers.models.llama import modeling_llama
+
+        _LLAMA_SOURCES = (
+            _source(modeling_llama.LlamaDecoderLayer.forward),
+            _source(modeling_llama.LlamaAttention.forward),
+        )
+    return _LLAMA_SOURCES
+
+
+def _source(function):
+    try:
+        return textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError):
+        return None
+
+
+_CLASS_FORMS = {}  # (layer class, attention class) -> bool
+_MLP = _gated_mlp.GatedMLP("tile_decoder_layers", tuple(_gated_mlp.REGISTRY), default=None)
+
+
+def _has_llama_form(layer) -> bool:
+    attention = getattr(layer, "self_attn", None)
+    key = (type(layer), type(attention))
+    known = _CLASS_FORMS.get(key)
+    if known is None:
+        layer_source, attention_source = _llama_sources()
+        known = _CLASS_FORMS[key] = (
+            attention is not None
+            and _source(type(layer).forward) == layer_source
+            and _source(type(attention).forward) == attention_source
+        )
+    return known
+
+
+def _norm_form(norm):
+    """(eps, offset, llama) for an RMSNorm module ``rms_norm`` computes, else None."""
+    if "forward" in norm.__dict__ or _hosts.has_hooks(norm):
+        return None
+    casting, offset, eps_attribute, refusal = _hosts.rms_norm_host(type(norm))
+    if refusal:
+        return None
+    return float(getattr(norm, eps_attribute)), float(offset), casting == "llama"
+
+
+def _operands(layer):
+    """(spec without chunk and ops, params) where the layer's modules are ones the tiled path computes exactly,
+    else None."""
+    if not _has_llama_form(layer) or _hosts.global_hooks():
+        return None
+    attention, mlp = layer.self_attn, layer.mlp
+    if "forward" in attention.__dict__ or _hosts.has_hooks(attention) or "forward" in mlp.__dict__:
+        return None
+    if _hosts.has_hooks(mlp):
+        return None
+    norm1, norm2 = _norm_form(layer.input_layernorm), _norm_form(layer.post_attention_layernorm)
+    if norm1 is None or norm2 is None:
+        return None
+    projections = [_hosts.linear_operands(getattr(attention, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    try:
+        activation, form, act_fn = _MLP._resolve(mlp)
+    except ValueError:
+        return None
+    if form != _hosts.SEPARATE or _gated_mlp._is_hooked(act_fn):
+        return None
+    mlp_projections = [_hosts.linear_operands(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(projections) or not all(mlp_projections) or any(b is not None for _, b in mlp_projections):
+        return None
+    config = attention.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = attention.head_dim
+    (wq, bq), (wk, bk), (wv, bv), (wo, bo) = projections
+    if wq.shape[0] != heads * head_dim or wk.shape[0] != kv_heads * head_dim or heads % kv_heads:
+        return None
+    spec = Spec(heads=heads, kv_heads=kv_heads, head_dim=head_dim, scale=float(attention.scaling),
+                norm1=norm1, norm2=norm2, activation=activation)  # fmt: skip
+    params = (layer.input_layernorm.weight, wq, bq, wk, bk, wv, bv, wo, bo, layer.post_attention_layernorm.weight,
+              *(w for w, _ in mlp_projections))  # fmt: skip
+    return spec, params
+
+
+# Keywords a decoder layer's call may carry that the tiled path may ignore: what they ask for is what it
+# computes (or, for the cache, checked to be absent).
+_IGNORED = {"position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states"}
+
+
+def _tiled_call(layer, hidden_states, attention_mask, past_key_values, position_embeddings, kwargs):
+    """(spec, params, cos, sin) where this call is one the tiled path serves, else None."""
+    if (
+        not torch.is_grad_enabled()
+        or type(hidden_states) is not torch.Tensor
+        or hidden_states.dim() != 3
+        or hidden_states.shape[1] < 2
+        or attention_mask is not None
+        or past_key_values is not None
+        or position_embeddings is None
+        or kwargs.get("output_attentions")
+        or any(v is not None for k, v in kwargs.items() if k not in _IGNORED)
+    ):
+        return None
+    if torch.compiler.is_compiling() or _backend.exporting() or _backend.forward_ad_active():
+        return None
+    if torch._C._are_functorch_transforms_active() or _attention._modes_active():
+        return None
+    attention = layer.self_attn
+    if layer.training and attention.attention_dropout:
+        return None
+    name = getattr(attention.config, "_attn_implementation", None) or ""
+    if "sdpa" not in name or not getattr(attention, "is_causal", True):
+        return None  # a mask-less call is causal attention under sdpa's names only
+    found = _operands(layer)
+    if found is None:
+        return None
+    spec, params = found
+    cos, sin = position_embeddings
+    dtype = hidden_states.dtype
+    tensors = [t for t in params if t is not None]
+    if any(type(t) not in (torch.Tensor, nn.Parameter) or t.dtype != dtype or t.device != hidden_states.device
+           for t in tensors) or not any(t.requires_grad for t in (hidden_states, *tensors)):  # fmt: skip
+        return None
+    if (
+        type(cos) is not torch.Tensor
+        or type(sin) is not torch.Tensor
+        or cos.requires_grad
+        or sin.requires_grad
+        or cos.shape != sin.shape
+        or cos.dim() != 3
+        or cos.shape[1:] != (hidden_states.shape[1], spec.head_dim)
+        or cos.shape[0] not in (1, hidden_states.shape[0])
+        or cos.device != hidden_states.device
+    ):
+        return None
+    ops = _ops_for(hidden_states)
+    if ops is None:
+        return None
+    return spec, params, cos, sin, ops
+
+
+def _tiled_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                   use_cache=False, position_embeddings=None, **kwargs):  # fmt: skip
+    """The decoder layer's forward, tiled where the call is one the tiled path serves."""
+    found = _tiled_call(self, hidden_states, attention_mask, past_key_values, position_embeddings, kwargs)
+    if found is None:
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  past_key_values=past_key_values, use_cache=use_cache,
+                                  position_embeddings=position_embeddings, **kwargs)  # fmt: skip
+    spec, params, cos, sin, ops = found
+    spec = Spec(**vars(spec), chunk=self.__dict__["_tiled_chunk"], ops=ops)
+    return TiledDecoderLayer.apply(spec, hidden_states, cos, sin, *params)
+
+
+class _Bypass:
+    """The layer's ``_gradient_checkpointing_func`` while tiled: a call the tiled path serves runs without the
+    checkpoint (the tiled layer keeps no more than a checkpoint would), any other through ``checkpoint``."""
+
+    def __init__(self, layer, checkpoint):
+        self.layer, self.checkpoint = layer, checkpoint
+
+    def __call__(self, function, *args, **kwargs):
+        if isinstance(function, functools.partial) and len(args) == 1 and not kwargs:
+            keywords = dict(function.keywords)
+            found = _tiled_call(
+                self.layer, args[0], keywords.pop("attention_mask", None), keywords.pop("past_key_values", None),
+                keywords.pop("position_embeddings", None), {k: v for k, v in keywords.items() if k != "position_ids"},
+            )  # fmt: skip
+            if found is not None:
+                return function(*args)
+        return self.checkpoint(function, *args, **kwargs)
+
+
+def _decoder_layers(model):
+    return [m for m in model.modules() if _has_llama_form(m)]
+
+
+def tile_decoder_layers(model: nn.Module, chunk: int = DEFAULT_CHUNK) -> int:
+    """Run every decoder layer of ``model`` that has Llama's form as a sequence-tiled layer (see the module's
+    docstring): training calls with no mask and no cache take it, every other call the layer's own forward.
+    Call it after ``gradient_checkpointing_enable``: a tiled call then runs without the model's checkpoint.
+    Returns the number of layers tiled; ``untile_decoder_layers`` undoes it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tile_decoder_layers: `model` must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"tile_decoder_layers: `chunk` must be a positive int (tokens), got {chunk!r}")
+    layers = _decoder_layers(model)
+    if not layers:
+        raise ValueError(
+            "tile_decoder_layers: the model has no decoder layer of Llama's form (LlamaDecoderLayer's and "
+            "LlamaAttention's forward)"
+        )
+    for layer in layers:
+        state = layer.__dict__
+        state["_tiled_chunk"] = chunk
+        state["forward"] = types.MethodType(_tiled_forward, layer)
+        checkpoint = state.get("_gradient_checkpointing_func")
+        if checkpoint is not None and not isinstance(checkpoint, _Bypass):
+            state["_gradient_checkpointing_func"] = _Bypass(layer, checkpoint)
+    return len(layers)
+
+
+def untile_decoder_layers(model: nn.Module) -> int:
+    """Undo ``tile_decoder_layers``; returns the number of layers restored."""
+    restored = 0
+    for layer in model.modules():
+        state = layer.__dict__
+        if state.pop("_tiled_chunk", None) is None:
+            continue
+        state.pop("forward", None)
+        checkpoint = state.get("_gradient_checkpointing_func")
+        if isinstance(checkpoint, _Bypass):
+            state["_gradient_checkpointing_func"] = checkpoint.checkpoint
+        restored += 1
+    return restored
