@@ -74,7 +74,7 @@ def test_tiled_layers_equal_the_layers_in_float64(lk, chunk, checkpointing):
     tiled = copy.deepcopy(model)
     for module in tiled.model.layers.modules():  # the tiled path reads the layers' norms' own class forward
         module.__dict__.pop("forward", None)
-    assert lk.tile_decoder_layers(tiled, chunk=chunk) == 2
+    assert lk.tile_decoder_layers(tiled, chunk=chunk, min_tokens=0) == 2
     assert tiled_nodes(tiled, ids) == 2
     loss, grads = loss_and_grads(tiled, ids)
     assert abs(loss - ref_loss) / ref_loss < 1e-14
@@ -97,7 +97,7 @@ def test_bf16_tiled_layers_are_as_close_to_float64_as_the_layers(lk):
     ids = ids_for(1, 96)
     _, ref_grads = loss_and_grads(reference, ids)
     _, stock = loss_and_grads(model, ids)
-    lk.tile_decoder_layers(model, chunk=32)
+    lk.tile_decoder_layers(model, chunk=32, min_tokens=0)
     assert tiled_nodes(model, ids) == 2
     _, tiled = loss_and_grads(model, ids)
     for got, want, ref in zip(tiled, stock, ref_grads, strict=True):
@@ -106,7 +106,7 @@ def test_bf16_tiled_layers_are_as_close_to_float64_as_the_layers(lk):
 
 def test_a_retained_graph_gives_the_same_gradients_twice(lk):
     model = tiny()
-    lk.tile_decoder_layers(model, chunk=16)
+    lk.tile_decoder_layers(model, chunk=16, min_tokens=0)
     ids = ids_for(1, 40)
     logits = model(input_ids=ids, use_cache=False).logits
     first = torch.autograd.grad(logits.square().sum(), list(model.parameters()), retain_graph=True)
@@ -117,7 +117,7 @@ def test_a_retained_graph_gives_the_same_gradients_twice(lk):
 
 def test_double_backward_is_refused(lk):
     model = tiny()
-    lk.tile_decoder_layers(model, chunk=16)
+    lk.tile_decoder_layers(model, chunk=16, min_tokens=0)
     x = model.model.embed_tokens(ids_for(1, 40)).detach().requires_grad_()
     positions = torch.arange(40)[None]
     out = model.model.layers[0](x, position_embeddings=model.model.rotary_emb(x, positions))
@@ -146,7 +146,7 @@ def test_calls_the_tiled_path_does_not_serve_run_the_layers_own_forward(lk, case
         peft = pytest.importorskip("peft")
         model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])).base_model.model
     reference = copy.deepcopy(model)
-    lk.tile_decoder_layers(model, chunk=8)
+    lk.tile_decoder_layers(model, chunk=8, min_tokens=0)
     expected = 1 if case == "hook on q_proj" else 0  # the other layer has no hook
     if case == "cache":
         with torch.no_grad():
@@ -164,6 +164,30 @@ def test_calls_the_tiled_path_does_not_serve_run_the_layers_own_forward(lk, case
         torch.manual_seed(0)
         want = reference(input_ids=ids, use_cache=False, **kwargs).logits
         assert torch.equal(got, want)
+
+
+def test_kernelized_norms_and_mlps_are_tiled_and_short_calls_are_not(lk):
+    """The package's LigerRMSNorm and MLP layers bound on the modules as kernelize binds them compute the host's
+    math, so the layer is still tiled (and equal to the kernelized model); a call under ``min_tokens`` and an
+    MLP whose forward is something else run the layer's own forward."""
+    model = tiny()
+    for module in model.modules():
+        name = type(module).__name__
+        layer = {"LlamaRMSNorm": lk.LigerRMSNorm, "LlamaMLP": lk.LigerTiledSwiGLUMLP}.get(name)
+        if layer is not None:
+            module.forward = types.MethodType(layer.forward, module)
+    ids = ids_for(2, 40)
+    ref_loss, ref_grads = loss_and_grads(model, ids)
+    lk.tile_decoder_layers(model, chunk=16, min_tokens=80)
+    assert tiled_nodes(model, ids) == 2
+    loss, grads = loss_and_grads(model, ids)
+    assert abs(loss - ref_loss) / ref_loss < 1e-14
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel_err(got, want) < 1e-12
+    assert tiled_nodes(model, ids_for(2, 39)) == 0  # 78 tokens
+    mlp = model.model.layers[1].mlp
+    mlp.forward = types.MethodType(lambda m, x: 2 * type(m).forward(m, x), mlp)
+    assert tiled_nodes(model, ids) == 1
 
 
 def test_untile_restores_the_layers(lk):
@@ -185,6 +209,9 @@ def test_bad_arguments_are_clear_errors(lk):
     for chunk in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="`chunk` must be a positive int"):
             lk.tile_decoder_layers(tiny(), chunk=chunk)
+    for min_tokens in (-1, 2.0, None):
+        with pytest.raises(ValueError, match="`min_tokens` must be a positive int"):
+            lk.tile_decoder_layers(tiny(), min_tokens=min_tokens)
     with pytest.raises(ValueError, match="no decoder layer of Llama's form"):
         lk.tile_decoder_layers(torch.nn.Linear(2, 2))
 
@@ -200,7 +227,7 @@ def test_cuda_tiled_layers_are_as_close_to_float64_as_the_layers(lk, chunk):
     ref_loss, ref_grads = loss_and_grads(reference, ids)
     del reference
     stock_loss, stock = loss_and_grads(model, ids)
-    lk.tile_decoder_layers(model, chunk=chunk)
+    lk.tile_decoder_layers(model, chunk=chunk, min_tokens=0)
     assert tiled_nodes(model, ids) == 2
     loss, tiled = loss_and_grads(model, ids)
     assert abs(loss - ref_loss) <= 1.25 * abs(stock_loss - ref_loss) + 1e-3 * abs(ref_loss)

@@ -11,9 +11,10 @@ checkpointing on (non-reentrant), batch 1, forward + backward of the causal-LM l
   loss through ``causal_lm_loss`` (decoder, then the fused linear cross-entropy; no logits); on the 4-layer model
   its checkpoints keep the attention's forward for the recompute (``keep_attention_context``, in pinned host
   memory: S x 8 KiB a layer, which the 32-layer model's lengths would take past this machine's memory).
-- ``ours_layers``: every decoder layer sequence-tiled (``tile_decoder_layers``: each layer one autograd node
-  that keeps its input, K, V and the attention output in pinned host memory, no checkpoint), the final norm
-  LigerRMSNorm, and the loss through ``causal_lm_loss``; 4-layer model only (host memory, as below).
+- ``ours_layers``: ``ours`` with its decoder layers sequence-tiled from 32,768 tokens on
+  (``tile_decoder_layers``: each layer one autograd node that keeps its input, K, V and the attention output
+  in pinned host memory, no checkpoint; shorter calls run ``ours``); 4-layer model only (host memory, as
+  below).
 - ``ours_offload``: ``ours`` with the checkpoints' inputs (each layer's hidden states) in pinned host memory, as
   transformers' ``gradient_checkpointing_enable(offload=True)`` keeps them (``save_on_cpu`` around each
   checkpoint: copies on the compute stream); 4-layer model only, as ``keep_attention_context``.
@@ -95,7 +96,8 @@ PATCHED_GLOBALS = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
 # What a variant may bind on a module instance (the peer also sets plain attributes such as ``offset`` on the
 # norms; the stock forwards never read those).
 INSTANCE_KEYS = (
-    "forward", "_get_name", "extra_repr", "_mlp_forward", "num_shards", "_gradient_checkpointing_func", "_tiled_chunk",
+    "forward", "_get_name", "extra_repr", "_mlp_forward", "num_shards", "_gradient_checkpointing_func",
+    "_tiled_chunk", "_tiled_min_tokens",
 )  # fmt: skip
 
 LLAMA3_8B = {
@@ -107,6 +109,7 @@ LLAMA3_8B = {
 TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 1000}  # fmt: skip
 
+LAYER_TILING = {}  # tile_decoder_layers' arguments for ours_layers (its defaults but in the smoke test)
 FOUR_LAYER_ONLY = ("ours_offload", "ours_layers")
 VARIANTS = (
     "ours", "ours_layers", "ours_offload", "ours_recompute", "ours_sdpa", "ours_untiled",
@@ -194,7 +197,9 @@ def _offloaded_checkpoint(function, *args, **kwargs):
 
 def _counted(tiled_forward, info, *args, **kwargs):
     out = tiled_forward(*args, **kwargs)
-    info["rope_calls"] += type(out.grad_fn).__name__ == "TiledDecoderLayerBackward"
+    tiled = type(out.grad_fn).__name__ == "TiledDecoderLayerBackward"
+    info["rope_calls"] += tiled
+    info["tiled_calls"] = info.get("tiled_calls", 0) + tiled
     return out
 
 
@@ -223,14 +228,7 @@ def apply_variant(name: str, model, num_shards=None, keep_attention=True):
                 _bind(mlp, "_mlp_forward", PeerTiledSwiGLUMLP._mlp_forward)
                 _bind(mlp, "forward", PeerTiledSwiGLUMLP.forward)
         return stock_loss, saved, info
-    if name == "ours_layers":
-        if lk.tile_decoder_layers(model) != len(model.model.layers):
-            raise RuntimeError("tile_decoder_layers did not take every decoder layer")
-        for layer in model.model.layers:  # count the calls that ran tiled (the rotary runs inside them)
-            layer.__dict__["forward"] = functools.partial(_counted, layer.__dict__["forward"], info)
-        _bind(model.model.norm, "forward", lk.LigerRMSNorm.forward)
-        return (lambda ids: lk.causal_lm_loss(model, ids, labels=ids)), saved, info
-    if name in ("ours", "ours_offload", "ours_recompute", "ours_sdpa", "ours_untiled"):
+    if name in ("ours", "ours_layers", "ours_offload", "ours_recompute", "ours_sdpa", "ours_untiled"):
         tiled = name != "ours_untiled"
         if keep_attention and name != "ours_recompute" and hasattr(lk, "keep_attention_context"):
             # what gradient_checkpointing_enable(gradient_checkpointing_kwargs=..., offload=...) sets on every
@@ -257,6 +255,11 @@ def apply_variant(name: str, model, num_shards=None, keep_attention=True):
             return lk.liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
         modeling_llama.apply_rotary_pos_emb = rotary
+        if name == "ours_layers":  # after the checkpoint is set: the tiled calls bypass it, the others keep it
+            if lk.tile_decoder_layers(model, **LAYER_TILING) != len(model.model.layers):
+                raise RuntimeError("tile_decoder_layers did not take every decoder layer")
+            for layer in model.model.layers:  # the calls that ran tiled count as rotary calls (it runs inside)
+                layer.__dict__["forward"] = functools.partial(_counted, layer.__dict__["forward"], info)
         return (lambda ids: lk.causal_lm_loss(model, ids, labels=ids)), saved, info
     raise ValueError(f"unknown variant {name!r}")
 
@@ -456,6 +459,8 @@ class Bench:
             )  # fmt: skip
             if variant.startswith("ours"):
                 row["rope_calls_per_step"] = info["rope_calls"] / len(steps)
+            if "tiled_calls" in info:
+                row["tiled_calls_per_step"] = info["tiled_calls"] / len(steps)
             self.times.setdefault((phase, variant), []).append((seq, median))
         print(f"  [{time.perf_counter() - self.start:6.0f}s] {phase} {variant:12s} S={seq:>8}: {status}"
               + (f" {row['ms']:.0f} ms, extra {_fmt(row['extra_gib'], '.2f')} GiB" if status == "ok" else "")
@@ -727,6 +732,9 @@ def run(budget_s: float = 300.0, only: str | None = None, device: str = "cuda", 
     earlier runs' results, from whose 4-layer rows and tries only that search then runs (nothing verified)."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: use --device cpu --quick for the smoke test")
+    LAYER_TILING.clear()
+    if quick:  # the smoke test's lengths run ours_layers both ways: its shortest untiled, the others in chunks
+        LAYER_TILING.update(chunk=64, min_tokens=128)
     bench = Bench(device, quick, budget_s, out_path)
     specs = QUICK if quick else FULL
     phases = [only] if only else list(specs)
@@ -779,6 +787,9 @@ def _check_quick(result, variants) -> None:
     for r in rows:
         if r["status"] == "ok" and r["variant"].startswith("ours"):
             assert r["rope_calls_per_step"] > 0, r
+        if r["status"] == "ok" and r["variant"] == "ours_layers":  # tiled from 128 tokens on (LAYER_TILING)
+            layers = result[r["model"]]["layers"]
+            assert r.get("tiled_calls_per_step", 0) == (layers if r["S"] >= 128 else 0), r
         if r["status"] == "ok":  # the first step and two interleaved rounds
             assert len(r["ms_steps"]) == 3 and r["steps"] == r["warmup"] + 3, r
 

@@ -43,13 +43,18 @@ from torch import nn
 from . import _backend, _grad_sums, _hosts
 from . import attention as _attention
 from . import gated_mlp as _gated_mlp
+from . import layers as _layers
 from ._gated import gated_forward, gated_recompute_backward
 from .rms_norm import norm_backward, norm_forward
-from .rotary import rotary_backward, rotary_forward
+from .rotary import _dense_like, _rotate, rotary_backward, rotary_forward
 
 aten = torch.ops.aten
 
 DEFAULT_CHUNK = 8192
+# Shorter calls run the layer's own forward: the tiled backward's fixed costs (the fp32 weight-gradient sums,
+# twice a layer's weights, and the MLP's row buffers) outweigh the activations it saves below about this many
+# tokens at Llama-3-8B's width (benchmarks/NOTES.md §29: 5.28 GiB against 4.01 at 16k, 6.76 against 7.75 at 64k).
+MIN_TOKENS = 32768
 # Tokens per MLP step within a chunk: its three [rows, intermediate] buffers (336 MiB at I = 14336 in bf16).
 MLP_ROWS = 4096
 
@@ -156,17 +161,19 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _projections(spec, x_c, w1, wq, bq, wk, bk, wv, bv, cos_c, sin_c, store_rstd=False):
-    """(n1, rstd1, q, k, v) for one chunk; q, k, v as [B, heads, c, D] views of [B, c, heads, D] storage (the
-    layout transformers hands the attention), q and k rotated."""
-    batch, c, _ = x_c.shape
-    n1, rstd1 = norm_forward(x_c, w1, *spec.norm1, store_rstd)
+def _heads(t, heads, d):
+    """[B, c, heads * D] as [B, heads, c, D] (the layout transformers hands the attention)."""
+    return t.view(t.shape[0], t.shape[1], heads, d).transpose(1, 2)
+
+
+def _projections(spec, x_c, w1, wq, bq, wk, bk, wv, bv, cos_c, sin_c):
+    """(q, k, v) of one chunk, q and k rotated."""
+    n1, _ = norm_forward(x_c, w1, *spec.norm1, False)
     d = spec.head_dim
-    q = F.linear(n1, wq, bq).view(batch, c, spec.heads, d).transpose(1, 2)
-    k = F.linear(n1, wk, bk).view(batch, c, spec.kv_heads, d).transpose(1, 2)
-    v = F.linear(n1, wv, bv).view(batch, c, spec.kv_heads, d).transpose(1, 2)
+    q = _heads(F.linear(n1, wq, bq), spec.heads, d)
+    k = _heads(F.linear(n1, wk, bk), spec.kv_heads, d)
     q, k = rotary_forward(q, k, cos_c, sin_c)
-    return n1, rstd1, q, k, v
+    return q, k, _heads(F.linear(n1, wv, bv), spec.kv_heads, d)
 
 
 def _bshd(batch, c, heads, d, dtype, device) -> torch.Tensor:
@@ -208,7 +215,7 @@ def forward(spec, x, cos, sin, params):
         s1 = min(seq, s0 + spec.chunk)
         x_c = x[:, s0:s1]
         cos_c, sin_c = cos[:, s0:s1].unsqueeze(1), sin[:, s0:s1].unsqueeze(1)
-        _, _, q, k, v = _projections(spec, x_c, w1, wq, bq, wk, bk, wv, bv, cos_c, sin_c)
+        q, k, v = _projections(spec, x_c, w1, wq, bq, wk, bk, wv, bv, cos_c, sin_c)
         keys[:, :, s0:s1] = k
         values[:, :, s0:s1] = v
         o, lse, states = _attend(spec, q, keys, values, s0, s1)
@@ -252,7 +259,11 @@ def backward(spec, kept, d_z, cos, sin, params, needs):
         s0, s1 = kept.bounds[i]
         c = s1 - s0
         cos_c, sin_c = cos[:, s0:s1].unsqueeze(1), sin[:, s0:s1].unsqueeze(1)
-        n1, rstd1, q, _, _ = _projections(spec, x_c, w1, wq, bq, wk, bk, wv, bv, cos_c, sin_c, store_rstd=True)
+        n1, rstd1 = norm_forward(x_c, w1, *spec.norm1, True)  # q again; k and v come back from the forward
+        q_pre = _heads(F.linear(n1, wq, bq), heads, d)
+        q = _dense_like(q_pre, dtype)
+        _rotate(q_pre, None, q, None, cos_c, sin_c, backward=False)  # the forward's q, bit for bit
+        del q_pre
         o_rows = o.transpose(1, 2).reshape(batch * c, heads * d)
         h = x_c + F.linear(o_rows, wo, bo).view_as(x_c)
         n2, rstd2 = norm_forward(h, w2, *spec.norm2, True)
@@ -384,6 +395,26 @@ _CLASS_FORMS = {}  # (layer class, attention class) -> bool
 _MLP = _gated_mlp.GatedMLP("tile_decoder_layers", tuple(_gated_mlp.REGISTRY), default=None)
 
 
+# The package's MLP layers (what kernelize sets on an MLP) and the activations each computes.
+_MLP_LAYERS = {
+    _layers.LigerSwiGLUMLP.forward: _gated_mlp.swiglu_mlp,
+    _layers.LigerTiledSwiGLUMLP.forward: _gated_mlp.swiglu_mlp,
+    _layers.LigerGEGLUMLP.forward: _gated_mlp.geglu_mlp,
+    _layers.LigerTiledGEGLUMLP.forward: _gated_mlp.geglu_mlp,
+}
+
+
+def _mlp_serving(mlp):
+    """What computes the MLP's call, as a ``GatedMLP``: its host's forward (any registered activation), or a
+    package layer set on it as kernelize does (that layer's activations); None for anything else."""
+    forward = mlp.__dict__.get("forward")
+    if forward is None:
+        return _MLP
+    if type(forward) is not types.MethodType or forward.__self__ is not mlp:
+        return None
+    return _MLP if forward.__func__ is type(mlp).forward else _MLP_LAYERS.get(forward.__func__)
+
+
 def _has_llama_form(layer) -> bool:
     attention = getattr(layer, "self_attn", None)
     key = (type(layer), type(attention))
@@ -398,9 +429,19 @@ def _has_llama_form(layer) -> bool:
     return known
 
 
+def _bound_to(module, functions) -> bool:
+    """Whether the module's call runs one of ``functions``: its class's forward, or one set on the instance as
+    ``kernels.kernelize`` sets a layer's (a method bound to the module itself)."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return type(module).forward in functions
+    return type(forward) is types.MethodType and forward.__self__ is module and forward.__func__ in functions
+
+
 def _norm_form(norm):
-    """(eps, offset, llama) for an RMSNorm module ``rms_norm`` computes, else None."""
-    if "forward" in norm.__dict__ or _hosts.has_hooks(norm):
+    """(eps, offset, llama) for an RMSNorm module ``rms_norm`` computes, else None: the host's own forward or
+    the package's LigerRMSNorm on it (the same math, for the hosts it accepts)."""
+    if not _bound_to(norm, (type(norm).forward, _layers.LigerRMSNorm.forward)) or _hosts.has_hooks(norm):
         return None
     casting, offset, eps_attribute, refusal = _hosts.rms_norm_host(type(norm))
     if refusal:
@@ -414,17 +455,18 @@ def _operands(layer):
     if not _has_llama_form(layer) or _hosts.global_hooks():
         return None
     attention, mlp = layer.self_attn, layer.mlp
-    if "forward" in attention.__dict__ or _hosts.has_hooks(attention) or "forward" in mlp.__dict__:
+    if "forward" in attention.__dict__ or _hosts.has_hooks(attention) or _hosts.has_hooks(mlp):
         return None
-    if _hosts.has_hooks(mlp):
+    serving = _mlp_serving(mlp)
+    if serving is None:
         return None
     norm1, norm2 = _norm_form(layer.input_layernorm), _norm_form(layer.post_attention_layernorm)
     if norm1 is None or norm2 is None:
         return None
     projections = [_hosts.linear_operands(getattr(attention, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     try:
-        activation, form, act_fn = _MLP._resolve(mlp)
-    except ValueError:
+        activation, form, act_fn = serving._resolve(mlp)
+    except ValueError:  # the host's own forward, or the package's layer, would not compute this math
         return None
     if form != _hosts.SEPARATE or _gated_mlp._is_hooked(act_fn):
         return None
@@ -456,6 +498,7 @@ def _tiled_call(layer, hidden_states, attention_mask, past_key_values, position_
         or type(hidden_states) is not torch.Tensor
         or hidden_states.dim() != 3
         or hidden_states.shape[1] < 2
+        or hidden_states.shape[0] * hidden_states.shape[1] < layer.__dict__.get("_tiled_min_tokens", 0)
         or attention_mask is not None
         or past_key_values is not None
         or position_embeddings is None
@@ -493,6 +536,7 @@ def _tiled_call(layer, hidden_states, attention_mask, past_key_values, position_
         or cos.shape[1:] != (hidden_states.shape[1], spec.head_dim)
         or cos.shape[0] not in (1, hidden_states.shape[0])
         or cos.device != hidden_states.device
+        or cos.dtype != dtype
     ):
         return None
     ops = _ops_for(hidden_states)
@@ -537,15 +581,17 @@ def _decoder_layers(model):
     return [m for m in model.modules() if _has_llama_form(m)]
 
 
-def tile_decoder_layers(model: nn.Module, chunk: int = DEFAULT_CHUNK) -> int:
+def tile_decoder_layers(model: nn.Module, chunk: int = DEFAULT_CHUNK, min_tokens: int = MIN_TOKENS) -> int:
     """Run every decoder layer of ``model`` that has Llama's form as a sequence-tiled layer (see the module's
-    docstring): training calls with no mask and no cache take it, every other call the layer's own forward.
-    Call it after ``gradient_checkpointing_enable``: a tiled call then runs without the model's checkpoint.
-    Returns the number of layers tiled; ``untile_decoder_layers`` undoes it."""
+    docstring): training calls of at least ``min_tokens`` tokens (batch x length) with no mask and no cache
+    take it, every other call the layer's own forward (kernelized norms and MLPs included). Call it after
+    ``gradient_checkpointing_enable``: a tiled call then runs without the model's checkpoint, the others
+    through it. Returns the number of layers tiled; ``untile_decoder_layers`` undoes it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"tile_decoder_layers: `model` must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"tile_decoder_layers: `chunk` must be a positive int (tokens), got {chunk!r}")
+    for name, value in (("chunk", chunk), ("min_tokens", min_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "chunk"):
+            raise ValueError(f"tile_decoder_layers: `{name}` must be a positive int (tokens), got {value!r}")
     layers = _decoder_layers(model)
     if not layers:
         raise ValueError(
@@ -554,7 +600,7 @@ def tile_decoder_layers(model: nn.Module, chunk: int = DEFAULT_CHUNK) -> int:
         )
     for layer in layers:
         state = layer.__dict__
-        state["_tiled_chunk"] = chunk
+        state["_tiled_chunk"], state["_tiled_min_tokens"] = chunk, min_tokens
         state["forward"] = types.MethodType(_tiled_forward, layer)
         checkpoint = state.get("_gradient_checkpointing_func")
         if checkpoint is not None and not isinstance(checkpoint, _Bypass):
@@ -569,6 +615,7 @@ def untile_decoder_layers(model: nn.Module) -> int:
         state = layer.__dict__
         if state.pop("_tiled_chunk", None) is None:
             continue
+        state.pop("_tiled_min_tokens", None)
         state.pop("forward", None)
         checkpoint = state.get("_gradient_checkpointing_func")
         if isinstance(checkpoint, _Bypass):
