@@ -55,8 +55,8 @@ DEFAULT_CHUNK = 8192
 # twice a layer's weights, and the MLP's row buffers) outweigh the activations it saves below about this many
 # tokens at Llama-3-8B's width (benchmarks/NOTES.md §29: 5.28 GiB against 4.01 at 16k, 6.76 against 7.75 at 64k).
 MIN_TOKENS = 32768
-# Tokens per MLP step within a chunk: its three [rows, intermediate] buffers (336 MiB at I = 14336 in bf16).
-MLP_ROWS = 4096
+# Tokens per MLP step within a chunk: its three [rows, intermediate] buffers (168 MiB at I = 14336 in bf16).
+MLP_ROWS = 2048
 
 # ----------------------------------------------------------------------------------------------------------
 # The attention pieces: cuDNN's SDPA (what F.scaled_dot_product_attention runs for bf16/fp16 on an H100/H200),
@@ -234,110 +234,134 @@ def forward(spec, x, cos, sin, params):
 
 def backward(spec, kept, d_z, cos, sin, params, needs):
     """(d_x, gradients of ``params``) from the output's gradient ``d_z``; ``needs``: which parameters want a
-    gradient."""
-    w1, wq, bq, wk, bk, wv, bv, wo, bo, w2, wg, wu, wd = params
-    device, dtype = d_z.device, params[1].dtype
+    gradient. One chunk at a time, in reverse; each chunk's buffers are freed before the next one's exist."""
+    device = d_z.device
     batch, seq, hidden = d_z.shape
-    d, heads, kv_heads = spec.head_dim, spec.heads, spec.kv_heads
-    keys = _arrived(_fetch(kept.keys, device))
-    values = _arrived(_fetch(kept.values, device))
+    dtype = params[1].dtype
     wide = torch.promote_types(dtype, torch.float32)
-    d_keys = torch.zeros(batch, seq, kv_heads, d, dtype=wide, device=device).transpose(1, 2)
-    d_values = torch.zeros(batch, seq, kv_heads, d, dtype=wide, device=device).transpose(1, 2)
-    d_x = torch.empty(batch, seq, hidden, dtype=d_z.dtype, device=device)
-    sums = [None] * len(params)
-    mm = _grad_sums.add_matmul
-    n_chunks = len(kept.bounds)
+    run = types.SimpleNamespace(
+        spec=spec, kept=kept, d_z=d_z, cos=cos, sin=sin, params=params, needs=needs, sums=[None] * len(params),
+        dtype=dtype, wide=wide, keys=_arrived(_fetch(kept.keys, device)), values=_arrived(_fetch(kept.values, device)),
+        d_keys=torch.zeros(batch, seq, spec.kv_heads, spec.head_dim, dtype=wide, device=device).transpose(1, 2),
+        d_values=torch.zeros(batch, seq, spec.kv_heads, spec.head_dim, dtype=wide, device=device).transpose(1, 2),
+        d_x=torch.empty(batch, seq, hidden, dtype=d_z.dtype, device=device),
+    )  # fmt: skip
 
     def start(i):
         return _fetch(kept.x[i], device), _fetch(kept.o[i], device)
 
-    coming = start(n_chunks - 1)
-    for i in range(n_chunks - 1, -1, -1):
-        moving, coming = coming, (start(i - 1) if i else None)
-        x_c, o = _arrived(moving[0]), _arrived(moving[1])
-        s0, s1 = kept.bounds[i]
-        c = s1 - s0
-        cos_c, sin_c = cos[:, s0:s1].unsqueeze(1), sin[:, s0:s1].unsqueeze(1)
-        n1, rstd1 = norm_forward(x_c, w1, *spec.norm1, True)  # q again; k and v come back from the forward
-        q_pre = _heads(F.linear(n1, wq, bq), heads, d)
-        q = _dense_like(q_pre, dtype)
-        _rotate(q_pre, None, q, None, cos_c, sin_c, backward=False)  # the forward's q, bit for bit
-        del q_pre
-        o_rows = o.transpose(1, 2).reshape(batch * c, heads * d)
-        h = x_c + F.linear(o_rows, wo, bo).view_as(x_c)
-        n2, rstd2 = norm_forward(h, w2, *spec.norm2, True)
-        n2_rows = _rows(n2)
-        d_z_rows = _rows(d_z[:, s0:s1])
+    coming = start(len(kept.bounds) - 1)
+    for i in range(len(kept.bounds) - 1, -1, -1):
+        moving, coming = coming, (start(i - 1) if i else None)  # the next chunk's copies start now
+        _backward_chunk(run, i, _arrived(moving[0]), _arrived(moving[1]))
+        del moving
+    return run.d_x, _grad_sums.cast_each(run.sums, params)
 
-        # MLP: d_n2 from d_z, rows at a time; gated_recompute_backward writes d_gate, d_up over the gate and up
-        # buffers and the activation's output over d_hidden.
-        d_n2 = torch.empty_like(n2_rows)
-        for r0 in range(0, batch * c, MLP_ROWS):
-            rows, d_rows = n2_rows[r0 : r0 + MLP_ROWS], d_z_rows[r0 : r0 + MLP_ROWS]
-            gate, up = F.linear(rows, wg), F.linear(rows, wu)
-            hidden_out = gated_recompute_backward(d_rows @ wd, gate, up, spec.activation)
-            d_gate, d_up = gate, up
-            if needs[12]:
-                sums[12] = mm(sums[12], d_rows.t(), hidden_out)
-            if needs[10]:
-                sums[10] = mm(sums[10], d_gate.t(), rows)
-            if needs[11]:
-                sums[11] = mm(sums[11], d_up.t(), rows)
-            torch.mm(d_gate, wg, out=d_n2[r0 : r0 + MLP_ROWS]).addmm_(d_up, wu)
-        d_h_norm, d_w2 = norm_backward(d_n2.view_as(h), h, w2, rstd2, *spec.norm2, True, needs[9])
-        sums[9] = _grad_sums.accumulate(sums[9], d_w2)
-        d_h = d_z[:, s0:s1] + d_h_norm
-        d_h_rows = _rows(d_h)
 
-        # o_proj
-        if needs[7]:
-            sums[7] = mm(sums[7], d_h_rows.t(), o_rows)
-        if needs[8] and bo is not None:
-            sums[8] = _grad_sums.accumulate(sums[8], _grad_sums.row_sum(d_h_rows))
-        d_o = (d_h_rows @ wo).view(batch, c, heads, d).transpose(1, 2)
+def _backward_chunk(run, i, x_c, o):
+    """Chunk i's share of the backward: its rows of d_x, its weight-gradient terms, its keys' dK and dV terms."""
+    spec, params, needs, sums, dtype = run.spec, run.params, run.needs, run.sums, run.dtype
+    w1, wq, bq, wk, bk, wv, bv, wo, bo, w2, wg, wu, wd = params
+    d, heads, kv_heads = spec.head_dim, spec.heads, spec.kv_heads
+    mm = _grad_sums.add_matmul
+    s0, s1 = run.kept.bounds[i]
+    batch, c = x_c.shape[0], s1 - s0
+    cos_c, sin_c = run.cos[:, s0:s1].unsqueeze(1), run.sin[:, s0:s1].unsqueeze(1)
+    n1, rstd1 = norm_forward(x_c, w1, *spec.norm1, True)  # q again; k and v come back from the forward
+    q_pre = _heads(F.linear(n1, wq, bq), heads, d)
+    q = _dense_like(q_pre, dtype)
+    _rotate(q_pre, None, q, None, cos_c, sin_c, backward=False)  # the forward's q, bit for bit
+    del q_pre
+    o_rows = o.transpose(1, 2).reshape(batch * c, heads * d)
+    h = x_c + F.linear(o_rows, wo, bo).view_as(x_c)
+    n2, rstd2 = norm_forward(h, w2, *spec.norm2, True)
+    d_z_c = run.d_z[:, s0:s1]
 
-        # attention, per piece and group of KV heads; the pieces' backward takes the merged output and lse,
-        # which give each piece's share of the softmax and the rows' dO.O
-        d_q = torch.empty(batch, c, heads, d, dtype=wide, device=device).transpose(1, 2)
-        lse = kept.lse[i]
-        pieces = [(s0, s1, True, kept.states[i][0])]
-        if s0:
-            pieces.append((0, s0, False, kept.states[i][1]))
-        for first, (k0, k1, causal, state) in enumerate(pieces):
-            groups = _backward_groups(heads, kv_heads, batch, c, k1 - k0, d)
-            per_q, per_kv = heads // groups, kv_heads // groups
-            for g in range(groups):
-                qh, kvh = slice(g * per_q, (g + 1) * per_q), slice(g * per_kv, (g + 1) * per_kv)
-                dq_g, dk_g, dv_g = spec.ops[1](
-                    d_o[:, qh], q[:, qh], keys[:, kvh, k0:k1], values[:, kvh, k0:k1], o[:, qh],
-                    lse[:, qh].contiguous(), state, spec.scale, causal,
-                )  # fmt: skip
-                if first == 0:
-                    d_q[:, qh] = dq_g
-                else:
-                    d_q[:, qh] += dq_g
-                d_keys[:, kvh, k0:k1] += dk_g
-                d_values[:, kvh, k0:k1] += dv_g
+    # MLP and the post-attention norm
+    d_n2 = _mlp_backward(run, _rows(n2), _rows(d_z_c))
+    del n2
+    d_h, d_w2 = norm_backward(d_n2.view_as(h), h, w2, rstd2, *spec.norm2, True, needs[9])
+    del d_n2, h
+    sums[9] = _grad_sums.accumulate(sums[9], d_w2)
+    d_h.add_(d_z_c)  # the residual
+    d_h_rows = _rows(d_h)
 
-        # this chunk's keys have all their gradient now: q, k, v projections and the input norm
-        d_q_low = _bshd(batch, c, heads, d, dtype, device).copy_(d_q)
-        d_k_low = _bshd(batch, c, kv_heads, d, dtype, device).copy_(d_keys[:, :, s0:s1])
-        d_v_low = _bshd(batch, c, kv_heads, d, dtype, device).copy_(d_values[:, :, s0:s1])
-        d_q_low, d_k_low = rotary_backward(d_q_low, d_k_low, cos_c, sin_c, dtype, dtype)
-        n1_rows = _rows(n1)
-        d_n1 = None
-        for index, grad, weight in ((1, d_q_low, wq), (3, d_k_low, wk), (5, d_v_low, wv)):
-            grad_rows = grad.transpose(1, 2).reshape(batch * c, -1)
-            if needs[index]:
-                sums[index] = mm(sums[index], grad_rows.t(), n1_rows)
-            if needs[index + 1] and params[index + 1] is not None:
-                sums[index + 1] = _grad_sums.accumulate(sums[index + 1], _grad_sums.row_sum(grad_rows))
-            d_n1 = grad_rows @ weight if d_n1 is None else d_n1.addmm_(grad_rows, weight)
-        d_x_norm, d_w1 = norm_backward(d_n1.view_as(x_c), x_c, w1, rstd1, *spec.norm1, True, needs[0])
-        sums[0] = _grad_sums.accumulate(sums[0], d_w1)
-        torch.add(d_h, d_x_norm, out=d_x[:, s0:s1])
-    return d_x, _grad_sums.cast_each(sums, params)
+    # o_proj
+    if needs[7]:
+        sums[7] = mm(sums[7], d_h_rows.t(), o_rows)
+    if needs[8] and bo is not None:
+        sums[8] = _grad_sums.accumulate(sums[8], _grad_sums.row_sum(d_h_rows))
+    d_o = (d_h_rows @ wo).view(batch, c, heads, d).transpose(1, 2)
+
+    # attention, per piece and group of KV heads; each piece's backward takes the merged output and lse, which
+    # give its share of the softmax and the rows' dO.O
+    d_q = torch.empty(batch, c, heads, d, dtype=run.wide, device=x_c.device).transpose(1, 2)
+    lse, states = run.kept.lse[i], run.kept.states[i]
+    pieces = [(s0, s1, True, states[0])] + ([(0, s0, False, states[1])] if s0 else [])
+    for first, (k0, k1, causal, state) in enumerate(pieces):
+        groups = _backward_groups(heads, kv_heads, batch, c, k1 - k0, d)
+        per_q, per_kv = heads // groups, kv_heads // groups
+        for g in range(groups):
+            qh, kvh = slice(g * per_q, (g + 1) * per_q), slice(g * per_kv, (g + 1) * per_kv)
+            dq_g, dk_g, dv_g = spec.ops[1](
+                d_o[:, qh], q[:, qh], run.keys[:, kvh, k0:k1], run.values[:, kvh, k0:k1], o[:, qh],
+                lse[:, qh].contiguous(), state, spec.scale, causal,
+            )  # fmt: skip
+            if first == 0:
+                d_q[:, qh] = dq_g
+            else:
+                d_q[:, qh] += dq_g
+            run.d_keys[:, kvh, k0:k1] += dk_g
+            run.d_values[:, kvh, k0:k1] += dv_g
+            del dq_g, dk_g, dv_g
+    del d_o, q, o, o_rows
+
+    # this chunk's keys have all their gradient now: the q, k, v projections and the input norm
+    d_q_low = _bshd(batch, c, heads, d, dtype, x_c.device).copy_(d_q)
+    del d_q
+    d_k_low = _bshd(batch, c, kv_heads, d, dtype, x_c.device).copy_(run.d_keys[:, :, s0:s1])
+    d_v_low = _bshd(batch, c, kv_heads, d, dtype, x_c.device).copy_(run.d_values[:, :, s0:s1])
+    d_q_low, d_k_low = rotary_backward(d_q_low, d_k_low, cos_c, sin_c, dtype, dtype)
+    n1_rows = _rows(n1)
+    d_n1 = None
+    for index, grad, weight in ((1, d_q_low, wq), (3, d_k_low, wk), (5, d_v_low, wv)):
+        grad_rows = grad.transpose(1, 2).reshape(batch * c, -1)
+        if needs[index]:
+            sums[index] = mm(sums[index], grad_rows.t(), n1_rows)
+        if needs[index + 1] and params[index + 1] is not None:
+            sums[index + 1] = _grad_sums.accumulate(sums[index + 1], _grad_sums.row_sum(grad_rows))
+        d_n1 = grad_rows @ weight if d_n1 is None else d_n1.addmm_(grad_rows, weight)
+    del d_q_low, d_k_low, d_v_low, grad_rows, n1, n1_rows
+    d_x_norm, d_w1 = norm_backward(d_n1.view_as(x_c), x_c, w1, rstd1, *spec.norm1, True, needs[0])
+    sums[0] = _grad_sums.accumulate(sums[0], d_w1)
+    torch.add(d_h, d_x_norm, out=run.d_x[:, s0:s1])
+
+
+def _mlp_backward(run, n2_rows, d_z_rows):
+    """d_n2 from the MLP's output gradient, ``MLP_ROWS`` rows at a time (their [rows, intermediate] buffers
+    freed before the next rows'), with the MLP's weight-gradient terms."""
+    d_n2 = torch.empty_like(n2_rows)
+    for r0 in range(0, n2_rows.shape[0], MLP_ROWS):
+        rows = slice(r0, r0 + MLP_ROWS)
+        _mlp_rows_backward(run, n2_rows[rows], d_z_rows[rows], d_n2[rows])
+    return d_n2
+
+
+def _mlp_rows_backward(run, rows, d_out, d_rows):
+    """gated_recompute_backward writes d_gate and d_up over the gate and up buffers and the activation's output
+    (the down projection's input) over d_hidden."""
+    _, _, _, _, _, _, _, _, _, _, wg, wu, wd = run.params
+    sums, needs, mm = run.sums, run.needs, _grad_sums.add_matmul
+    gate, up = F.linear(rows, wg), F.linear(rows, wu)
+    hidden_out = gated_recompute_backward(d_out @ wd, gate, up, run.spec.activation)
+    d_gate, d_up = gate, up
+    if needs[12]:
+        sums[12] = mm(sums[12], d_out.t(), hidden_out)
+    if needs[10]:
+        sums[10] = mm(sums[10], d_gate.t(), rows)
+    if needs[11]:
+        sums[11] = mm(sums[11], d_up.t(), rows)
+    torch.mm(d_gate, wg, out=d_rows).addmm_(d_up, wu)
 
 
 class TiledDecoderLayer(torch.autograd.Function):
