@@ -126,11 +126,25 @@ def test_double_backward_is_refused(lk):
 
 
 @pytest.mark.parametrize(
-    "case", ["padding mask", "cache", "no grad", "hook on q_proj", "eager attention", "dropout", "lora"]
-)
-def test_calls_the_tiled_path_does_not_serve_run_the_layers_own_forward(lk, case):
+    "case",
+    ["padding mask", "cache", "no grad", "hook on q_proj", "eager attention", "dropout", "lora", "another rotary",
+     "another attention named sdpa"],
+)  # fmt: skip
+def test_calls_the_tiled_path_does_not_serve_run_the_layers_own_forward(lk, case, monkeypatch):
     model = tiny()
     ids, kwargs = ids_for(2, 24), {}
+    if case == "another attention named sdpa":
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        def halved(module, q, k, v, mask, **kw):
+            out, weights = sdpa_attention_forward(module, q, k, v, mask, **kw)
+            return out / 2, weights
+
+        AttentionInterface.register("halved_sdpa", halved)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("halved_sdpa", sdpa_mask)
+        model.set_attn_implementation("halved_sdpa")
     if case == "padding mask":
         mask = torch.ones(2, 24, dtype=torch.long)
         mask[1, :5] = 0
@@ -147,6 +161,11 @@ def test_calls_the_tiled_path_does_not_serve_run_the_layers_own_forward(lk, case
         model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])).base_model.model
     reference = copy.deepcopy(model)
     lk.tile_decoder_layers(model, chunk=8, min_tokens=0)
+    if case == "another rotary":  # set after tiling (a later patch or kernelize): read at each call
+        from transformers.models.llama import modeling_llama
+
+        stock = modeling_llama.apply_rotary_pos_emb
+        monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, c, s: stock(2 * q, k, c, s))
     expected = 1 if case == "hook on q_proj" else 0  # the other layer has no hook
     if case == "cache":
         with torch.no_grad():

@@ -196,10 +196,11 @@ def _offloaded_checkpoint(function, *args, **kwargs):
 
 
 def _counted(tiled_forward, info, *args, **kwargs):
+    """A tiled layer's call, counted: every call runs the package's rotary once (inside the tiled layer, or in
+    the layer's own attention), and the tiled ones are counted apart."""
     out = tiled_forward(*args, **kwargs)
-    tiled = type(out.grad_fn).__name__ == "TiledDecoderLayerBackward"
-    info["rope_calls"] += tiled
-    info["tiled_calls"] = info.get("tiled_calls", 0) + tiled
+    info["rope_calls"] += 1
+    info["tiled_calls"] = info.get("tiled_calls", 0) + (type(out.grad_fn).__name__ == "TiledDecoderLayerBackward")
     return out
 
 
@@ -256,9 +257,11 @@ def apply_variant(name: str, model, num_shards=None, keep_attention=True):
 
         modeling_llama.apply_rotary_pos_emb = rotary
         if name == "ours_layers":  # after the checkpoint is set: the tiled calls bypass it, the others keep it
+            # the package's rotary itself (a tiled layer takes no other), its calls counted per layer call
+            modeling_llama.apply_rotary_pos_emb = lk.liger_rotary_pos_emb
             if lk.tile_decoder_layers(model, **LAYER_TILING) != len(model.model.layers):
                 raise RuntimeError("tile_decoder_layers did not take every decoder layer")
-            for layer in model.model.layers:  # the calls that ran tiled count as rotary calls (it runs inside)
+            for layer in model.model.layers:
                 layer.__dict__["forward"] = functools.partial(_counted, layer.__dict__["forward"], info)
         return (lambda ids: lk.causal_lm_loss(model, ids, labels=ids)), saved, info
     raise ValueError(f"unknown variant {name!r}")
@@ -880,6 +883,13 @@ def main():
                  confirm=not args.no_confirm, confirm_from=source, variants=args.variants,
                  search=not args.no_search, search_from=seeds)  # fmt: skip
     print(markdown(result))
+    if args.out and "4layer" in result:
+        try:
+            import plot
+
+            plot.plot_model(result, args.out.with_suffix(".png"))
+        except ImportError as error:  # matplotlib: only for the PNG (requirements-bench.txt)
+            print(f"no plot ({error})")
 
 
 if __name__ == "__main__":

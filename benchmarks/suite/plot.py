@@ -451,6 +451,34 @@ def plot(results, path):
     plt.close(fig)
 
 
+def plot_model(model, path):
+    """bench_model.py's 4-layer rows: ms per step and extra peak GiB against S, one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in model.get("4layer", {}).get("rows", []) if r.get("status") == "ok"]
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(14, 5))
+    for index, variant in enumerate(sorted({r["variant"] for r in rows})):
+        mine = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["S"])
+        lengths = [r["S"] for r in mine]
+        style = {"marker": "o", "color": f"C{index}", "label": variant}
+        ax_time.plot(lengths, [r["ms"] for r in mine], **style)
+        ax_mem.plot(lengths, [r["extra_gib"] for r in mine], **style)
+    for ax, label in ((ax_time, "ms per step"), (ax_mem, "extra peak GiB (gradients included)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("S (tokens)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    ax_time.set_yscale("log")
+    ax_time.set_title("4 layers at Llama-3-8B width, bf16: forward + backward of the loss")
+    ax_mem.set_title("Memory over the weights")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def merge(parts):
     """One result from several bench_all.py JSONs (runs of different sections): later files' sections win."""
     merged = {}

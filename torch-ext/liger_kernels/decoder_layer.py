@@ -31,8 +31,10 @@ dropout; tensors on CUDA in bf16/fp16 (cuDNN's attention) or on the CPU. Any oth
 forward.
 """
 
+import ast
 import functools
 import inspect
+import sys
 import textwrap
 import types
 
@@ -46,7 +48,7 @@ from . import gated_mlp as _gated_mlp
 from . import layers as _layers
 from ._gated import gated_forward, gated_recompute_backward
 from .rms_norm import norm_backward, norm_forward
-from .rotary import _dense_like, _rotate, rotary_backward, rotary_forward
+from .rotary import _dense_like, _rotate, liger_rotary_pos_emb, rotary_backward, rotary_forward
 
 aten = torch.ops.aten
 
@@ -397,15 +399,34 @@ _LLAMA_SOURCES = None
 
 
 def _llama_sources():
+    """The source of Llama's decoder-layer forward, attention forward, ``apply_rotary_pos_emb`` and
+    ``rotate_half``, read from modeling_llama's file (the functions there may have been replaced since)."""
     global _LLAMA_SOURCES
     if _LLAMA_SOURCES is None:
         from transformers.models.llama import modeling_llama
 
+        with open(modeling_llama.__file__) as file:
+            text = file.read()
+        top = {n.name: n for n in ast.parse(text).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+        def forward_of(cls):
+            method = next(n for n in top[cls].body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+            return textwrap.dedent(_segment(text, method))
+
         _LLAMA_SOURCES = (
-            _source(modeling_llama.LlamaDecoderLayer.forward),
-            _source(modeling_llama.LlamaAttention.forward),
+            forward_of("LlamaDecoderLayer"),
+            forward_of("LlamaAttention"),
+            _segment(text, top["apply_rotary_pos_emb"]),
+            _segment(text, top["rotate_half"]),
         )
     return _LLAMA_SOURCES
+
+
+def _segment(text, node) -> str:
+    """A definition's source, its decorators included (as inspect.getsource gives it)."""
+    lines = text.splitlines(keepends=True)
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    return "".join(lines[first - 1 : node.end_lineno])
 
 
 def _source(function):
@@ -440,17 +461,61 @@ def _mlp_serving(mlp):
 
 
 def _has_llama_form(layer) -> bool:
+    """The layer's class has Llama's decoder-layer forward, its attention's class Llama's attention forward, and
+    the rotary function that forward calls (a global of the attention's module) is Llama's, or the package's."""
     attention = getattr(layer, "self_attn", None)
     key = (type(layer), type(attention))
     known = _CLASS_FORMS.get(key)
     if known is None:
-        layer_source, attention_source = _llama_sources()
+        layer_source, attention_source, _, _ = _llama_sources()
         known = _CLASS_FORMS[key] = (
             attention is not None
             and _source(type(layer).forward) == layer_source
             and _source(type(attention).forward) == attention_source
         )
+    return known and _llama_rotary(type(attention))
+
+
+def _llama_rotary(attention_class) -> bool:
+    """Whether ``apply_rotary_pos_emb`` in the attention class's module is Llama's (source for source, with its
+    ``rotate_half``) or the package's; read at each call, as the forward reads it (kernelize and patches
+    replace it)."""
+    module = sys.modules.get(attention_class.__module__)
+    rotary = _rotary_function(getattr(module, "apply_rotary_pos_emb", None))
+    if rotary is liger_rotary_pos_emb or rotary is None:
+        return rotary is not None
+    known = _ROTARY_FORMS.get(rotary)
+    if known is None:
+        _, _, rotary_source, half_source = _llama_sources()
+        half = getattr(module, "rotate_half", None)
+        known = _ROTARY_FORMS[rotary] = (
+            isinstance(rotary, types.FunctionType)
+            and rotary.__globals__.get("rotate_half") is half
+            and _source(rotary) == rotary_source
+            and _source(half) == half_source
+        )
     return known
+
+
+_ROTARY_FORMS = {}  # function -> bool
+
+
+def _rotary_function(rotary):
+    """The function a module's ``apply_rotary_pos_emb`` runs: itself, or where transformers made it a kernels
+    ``Func`` module (``use_kernel_func_from_hub``), the function that module wraps, or the package's rotary
+    where kernelize set the package's layer on it; None where it is something else."""
+    if not isinstance(rotary, nn.Module):
+        return rotary
+    forward = rotary.__dict__.get("forward")
+    if forward is not None:
+        layer = _layers.liger_rotary_pos_emb_layer.forward
+        bound = type(forward) is types.MethodType and forward.__self__ is rotary and forward.__func__ is layer
+        return liger_rotary_pos_emb if bound else None
+    code = getattr(type(rotary).forward, "__code__", None)
+    if type(rotary).__name__ != "Func" or code is None or not code.co_filename.endswith("kernels/layer/layer.py"):
+        return None
+    wrapped = [c.cell_contents for c in type(rotary).forward.__closure__ or ()]
+    return wrapped[0] if len(wrapped) == 1 and isinstance(wrapped[0], types.FunctionType) else None
 
 
 def _bound_to(module, functions) -> bool:
@@ -537,9 +602,8 @@ def _tiled_call(layer, hidden_states, attention_mask, past_key_values, position_
     attention = layer.self_attn
     if layer.training and attention.attention_dropout:
         return None
-    name = getattr(attention.config, "_attn_implementation", None) or ""
-    if "sdpa" not in name or not getattr(attention, "is_causal", True):
-        return None  # a mask-less call is causal attention under sdpa's names only
+    if not getattr(attention, "is_causal", True) or not _sdpa_named(attention.config):
+        return None  # a mask-less call is causal attention under sdpa only
     found = _operands(layer)
     if found is None:
         return None
@@ -567,6 +631,18 @@ def _tiled_call(layer, hidden_states, attention_mask, past_key_values, position_
     if ops is None:
         return None
     return spec, params, cos, sin, ops
+
+
+def _sdpa_named(config) -> bool:
+    """Whether the config's attention is transformers' sdpa function or the package's (registered under a name
+    with sdpa's mask function): with no mask, each computes causal softmax attention."""
+    name = getattr(config, "_attn_implementation", None)
+    if not isinstance(name, str) or "sdpa" not in name:
+        return False
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    function = ALL_ATTENTION_FUNCTIONS.get(name)
+    return function is _attention.sdpa_attention_forward or function is _attention._transformers().stock
 
 
 def _tiled_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
@@ -620,7 +696,7 @@ def tile_decoder_layers(model: nn.Module, chunk: int = DEFAULT_CHUNK, min_tokens
     if not layers:
         raise ValueError(
             "tile_decoder_layers: the model has no decoder layer of Llama's form (LlamaDecoderLayer's and "
-            "LlamaAttention's forward)"
+            "LlamaAttention's forward, Llama's apply_rotary_pos_emb or the package's)"
         )
     for layer in layers:
         state = layer.__dict__
