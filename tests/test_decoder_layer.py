@@ -115,6 +115,20 @@ def test_a_retained_graph_gives_the_same_gradients_twice(lk):
         assert torch.equal(a, b)
 
 
+def test_what_the_forward_kept_goes_with_the_backward_unless_the_graph_is_retained(lk):
+    model = tiny()
+    lk.tile_decoder_layers(model, chunk=16, min_tokens=0)
+    ids = ids_for(1, 40)
+    for retain in (False, True):
+        nodes = []
+        hook = model.model.layers[0].register_forward_hook(lambda m, a, out, nodes=nodes: nodes.append(out.grad_fn))
+        loss = model(input_ids=ids, use_cache=False).logits.square().sum()
+        hook.remove()
+        assert nodes[0].kept is not None
+        loss.backward(retain_graph=retain)
+        assert (nodes[0].kept is None) is not retain
+
+
 def test_double_backward_is_refused(lk):
     model = tiny()
     lk.tile_decoder_layers(model, chunk=16, min_tokens=0)
@@ -128,7 +142,7 @@ def test_double_backward_is_refused(lk):
 @pytest.mark.parametrize(
     "case",
     ["padding mask", "cache", "no grad", "hook on q_proj", "eager attention", "dropout", "lora", "another rotary",
-     "another attention named sdpa"],
+     "another attention named sdpa", "sdpa replaced", "attention forward patched", "autocast"],
 )  # fmt: skip
 def test_calls_the_tiled_path_does_not_serve_run_the_layers_own_forward(lk, case, monkeypatch):
     model = tiny()
@@ -161,11 +175,29 @@ def test_calls_the_tiled_path_does_not_serve_run_the_layers_own_forward(lk, case
         model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])).base_model.model
     reference = copy.deepcopy(model)
     lk.tile_decoder_layers(model, chunk=8, min_tokens=0)
-    if case == "another rotary":  # set after tiling (a later patch or kernelize): read at each call
-        from transformers.models.llama import modeling_llama
+    tiled_nodes(model, ids)  # a first call: nothing below may be hidden by what it found
+    from transformers.models.llama import modeling_llama
 
+    if case == "another rotary":  # set after tiling (a later patch or kernelize): read at each call
         stock = modeling_llama.apply_rotary_pos_emb
         monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, c, s: stock(2 * q, k, c, s))
+    if case == "sdpa replaced":  # as context parallelism's ring attention replaces it
+        stock = F.scaled_dot_product_attention
+        monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: stock(*a, **k) / 2)
+    if case == "attention forward patched":
+        stock = modeling_llama.LlamaAttention.forward
+
+        def halved(self, *args, **kwargs):
+            out, weights = stock(self, *args, **kwargs)
+            return out / 2, weights
+
+        monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", halved)
+    if case == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert tiled_nodes(model, ids) == 0
+            got, want = model(input_ids=ids, use_cache=False).logits, reference(input_ids=ids, use_cache=False).logits
+        assert torch.equal(got, want)
+        return
     expected = 1 if case == "hook on q_proj" else 0  # the other layer has no hook
     if case == "cache":
         with torch.no_grad():
@@ -207,6 +239,27 @@ def test_kernelized_norms_and_mlps_are_tiled_and_short_calls_are_not(lk):
     mlp = model.model.layers[1].mlp
     mlp.forward = types.MethodType(lambda m, x: 2 * type(m).forward(m, x), mlp)
     assert tiled_nodes(model, ids) == 1
+
+
+def test_a_layer_with_a_forward_of_its_own_is_left_alone_and_a_later_checkpoint_is_bypassed(lk):
+    model = tiny()
+    hooked = model.model.layers[0]
+    hooked.forward = types.MethodType(lambda m, *a, **k: type(m).forward(m, *a, **k), hooked)  # as accelerate
+    assert lk.tile_decoder_layers(model, chunk=16, min_tokens=0) == 1
+    ids = ids_for(1, 40)
+    assert tiled_nodes(model, ids) == 1
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # after tiling
+    calls = []
+    original = lk.decoder_layer.forward
+    lk.decoder_layer.forward = lambda *a: calls.append(1) or original(*a)
+    try:
+        for _ in range(2):  # the first call finds the new checkpoint and wraps it for the next ones
+            calls.clear()
+            model(input_ids=ids, use_cache=False).logits.sum().backward()
+    finally:
+        lk.decoder_layer.forward = original
+    assert len(calls) == 1  # one tiled layer, its forward once: not under the checkpoint
+    assert lk.untile_decoder_layers(model) == 1 and "forward" in hooked.__dict__
 
 
 def test_untile_restores_the_layers(lk):

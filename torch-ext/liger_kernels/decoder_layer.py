@@ -93,18 +93,29 @@ CUDNN_OPS = (_cudnn_forward, _cudnn_backward)
 CPU_OPS = (_cpu_forward, _cpu_backward)
 
 
-def _ops_for(x: torch.Tensor):
-    """The attention ops for ``x``'s device and dtype, or None where the tiled layer does not run."""
+def _ops_for(x: torch.Tensor, spec):
+    """The attention ops for ``x``'s device and dtype, or None where the tiled layer does not run: on CUDA
+    cuDNN's, where PyTorch itself chooses cuDNN for a causal call of the layer's heads (the GPU, the head dim,
+    the dtype and any ``sdpa_kernel`` restriction decide)."""
     if x.device.type == "cpu":
         return CPU_OPS
-    if (
-        x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and torch.backends.cudnn.is_available()
-        and torch.backends.cuda.cudnn_sdp_enabled()
-    ):
-        return CUDNN_OPS
-    return None
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    key = (x.device, x.dtype, spec.heads, spec.kv_heads, spec.head_dim, torch._C._get_cudnn_sdp_enabled(),
+           torch._C._get_flash_sdp_enabled(), torch._C._get_mem_efficient_sdp_enabled(),
+           torch._C._get_math_sdp_enabled())  # fmt: skip
+    chosen = _CUDNN_CHOSEN.get(key)
+    if chosen is None:
+        q = torch.empty(1, 128, spec.heads, spec.head_dim, dtype=x.dtype, device=x.device).transpose(1, 2)
+        k = torch.empty(1, 128, spec.kv_heads, spec.head_dim, dtype=x.dtype, device=x.device).transpose(1, 2)
+        shared = spec.heads != spec.kv_heads
+        chosen = _CUDNN_CHOSEN[key] = (
+            torch._fused_sdp_choice(q, k, k, None, 0.0, True, scale=spec.scale, enable_gqa=shared) == _attention._CUDNN
+        )
+    return CUDNN_OPS if chosen else None
+
+
+_CUDNN_CHOSEN = {}  # (device, dtype, heads, kv heads, head dim, the backends enabled) -> bool
 
 
 def _merge(o_diag, lse_diag, o_past, lse_past, out):
@@ -386,7 +397,10 @@ class TiledDecoderLayer(torch.autograd.Function):
             )
         cos, sin, *params = ctx.saved_tensors
         needs = [n and p is not None for n, p in zip(ctx.needs_input_grad[4:], params)]
-        d_x, grads = backward(ctx.spec, ctx.kept, d_z, cos, sin, params, needs)
+        kept = ctx.kept
+        if not _backend.graph_is_retained():  # as autograd frees saved tensors: nothing reads them again
+            ctx.kept = None
+        d_x, grads = backward(ctx.spec, kept, d_z, cos, sin, params, needs)
         return (None, d_x if ctx.needs_input_grad[1] else None, None, None, *grads)
 
 
@@ -436,7 +450,7 @@ def _source(function):
         return None
 
 
-_CLASS_FORMS = {}  # (layer class, attention class) -> bool
+_CLASS_FORMS = {}  # (layer class's forward, attention class's forward) -> bool
 _MLP = _gated_mlp.GatedMLP("tile_decoder_layers", tuple(_gated_mlp.REGISTRY), default=None)
 
 
@@ -464,14 +478,14 @@ def _has_llama_form(layer) -> bool:
     """The layer's class has Llama's decoder-layer forward, its attention's class Llama's attention forward, and
     the rotary function that forward calls (a global of the attention's module) is Llama's, or the package's."""
     attention = getattr(layer, "self_attn", None)
-    key = (type(layer), type(attention))
+    if not isinstance(attention, nn.Module):
+        return False
+    key = (type(layer).forward, type(attention).forward)  # a patched forward is another key
     known = _CLASS_FORMS.get(key)
     if known is None:
         layer_source, attention_source, _, _ = _llama_sources()
         known = _CLASS_FORMS[key] = (
-            attention is not None
-            and _source(type(layer).forward) == layer_source
-            and _source(type(attention).forward) == attention_source
+            _source(type(layer).forward) == layer_source and _source(type(attention).forward) == attention_source
         )
     return known and _llama_rotary(type(attention))
 
@@ -599,6 +613,10 @@ def _tiled_call(layer, hidden_states, attention_mask, past_key_values, position_
         return None
     if torch._C._are_functorch_transforms_active() or _attention._modes_active():
         return None
+    if torch.nn.functional.scaled_dot_product_attention is not _attention._SDPA:
+        return None  # replaced (context parallelism's ring attention patches it): the layer's attention is that
+    if torch.is_autocast_enabled(hidden_states.device.type):
+        return None  # the layer's ops would run in autocast's dtypes
     attention = layer.self_attn
     if layer.training and attention.attention_dropout:
         return None
@@ -627,7 +645,7 @@ def _tiled_call(layer, hidden_states, attention_mask, past_key_values, position_
         or cos.dtype != dtype
     ):
         return None
-    ops = _ops_for(hidden_states)
+    ops = _ops_for(hidden_states, spec)
     if ops is None:
         return None
     return spec, params, cos, sin, ops
@@ -648,6 +666,10 @@ def _sdpa_named(config) -> bool:
 def _tiled_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                    use_cache=False, position_embeddings=None, **kwargs):  # fmt: skip
     """The decoder layer's forward, tiled where the call is one the tiled path serves."""
+    state = self.__dict__
+    checkpoint = state.get("_gradient_checkpointing_func")
+    if checkpoint is not None and not isinstance(checkpoint, _Bypass):  # set since (gradient_checkpointing_enable)
+        state["_gradient_checkpointing_func"] = _Bypass(self, checkpoint)  # from the next call on
     found = _tiled_call(self, hidden_states, attention_mask, past_key_values, position_embeddings, kwargs)
     if found is None:
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
@@ -681,6 +703,11 @@ def _decoder_layers(model):
     return [m for m in model.modules() if _has_llama_form(m)]
 
 
+def _is_tiled(layer) -> bool:
+    forward = layer.__dict__.get("forward")
+    return type(forward) is types.MethodType and forward.__func__ is _tiled_forward and forward.__self__ is layer
+
+
 def tile_decoder_layers(model: nn.Module, chunk: int = DEFAULT_CHUNK, min_tokens: int = MIN_TOKENS) -> int:
     """Run every decoder layer of ``model`` that has Llama's form as a sequence-tiled layer (see the module's
     docstring): training calls of at least ``min_tokens`` tokens (batch x length) with no mask and no cache
@@ -692,7 +719,8 @@ def tile_decoder_layers(model: nn.Module, chunk: int = DEFAULT_CHUNK, min_tokens
     for name, value in (("chunk", chunk), ("min_tokens", min_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (name == "chunk"):
             raise ValueError(f"tile_decoder_layers: `{name}` must be a positive int (tokens), got {value!r}")
-    layers = _decoder_layers(model)
+    # a layer with a forward of its own on the instance (accelerate's hooks set one) keeps it, untiled
+    layers = [m for m in _decoder_layers(model) if _is_tiled(m) or "forward" not in m.__dict__]
     if not layers:
         raise ValueError(
             "tile_decoder_layers: the model has no decoder layer of Llama's form (LlamaDecoderLayer's and "
@@ -716,7 +744,8 @@ def untile_decoder_layers(model: nn.Module) -> int:
         if state.pop("_tiled_chunk", None) is None:
             continue
         state.pop("_tiled_min_tokens", None)
-        state.pop("forward", None)
+        if _is_tiled(layer):
+            del state["forward"]
         checkpoint = state.get("_gradient_checkpointing_func")
         if isinstance(checkpoint, _Bypass):
             state["_gradient_checkpointing_func"] = checkpoint.checkpoint
