@@ -95,27 +95,21 @@ CPU_OPS = (_cpu_forward, _cpu_backward)
 
 def _ops_for(x: torch.Tensor, spec):
     """The attention ops for ``x``'s device and dtype, or None where the tiled layer does not run: on CUDA
-    cuDNN's, where PyTorch itself chooses cuDNN for a causal call of the layer's heads (the GPU, the head dim,
-    the dtype and any ``sdpa_kernel`` restriction decide)."""
+    cuDNN's SDPA, where it is enabled (an ``sdpa_kernel`` restriction without it keeps the layer's own
+    forward) and runs: compute capability 8.0 or later, head dims that are multiples of 8 up to 128."""
     if x.device.type == "cpu":
         return CPU_OPS
-    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    key = (x.device, x.dtype, spec.heads, spec.kv_heads, spec.head_dim, torch._C._get_cudnn_sdp_enabled(),
-           torch._C._get_flash_sdp_enabled(), torch._C._get_mem_efficient_sdp_enabled(),
-           torch._C._get_math_sdp_enabled())  # fmt: skip
-    chosen = _CUDNN_CHOSEN.get(key)
-    if chosen is None:
-        q = torch.empty(1, 128, spec.heads, spec.head_dim, dtype=x.dtype, device=x.device).transpose(1, 2)
-        k = torch.empty(1, 128, spec.kv_heads, spec.head_dim, dtype=x.dtype, device=x.device).transpose(1, 2)
-        shared = spec.heads != spec.kv_heads
-        chosen = _CUDNN_CHOSEN[key] = (
-            torch._fused_sdp_choice(q, k, k, None, 0.0, True, scale=spec.scale, enable_gqa=shared) == _attention._CUDNN
-        )
-    return CUDNN_OPS if chosen else None
-
-
-_CUDNN_CHOSEN = {}  # (device, dtype, heads, kv heads, head dim, the backends enabled) -> bool
+    if (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and torch.backends.cudnn.is_available()
+        and torch.backends.cuda.cudnn_sdp_enabled()
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        and spec.head_dim % 8 == 0
+        and spec.head_dim <= 128
+    ):
+        return CUDNN_OPS
+    return None
 
 
 def _merge(o_diag, lse_diag, o_past, lse_past, out):
