@@ -15,6 +15,19 @@ from harness import rel_err
 VOCAB = 128
 
 
+@pytest.fixture(autouse=True)
+def stock_rotary():
+    """Llama's rotary as transformers defines it: a test that kernelized "rotary_pos_emb" leaves the layer of
+    the package it loaded bound on modeling_llama's rotary, which the tiled path takes only from its own copy."""
+    from transformers.models.llama import modeling_llama
+
+    rotary = modeling_llama.apply_rotary_pos_emb
+    bound = rotary.__dict__.pop("forward", None) if isinstance(rotary, torch.nn.Module) else None
+    yield
+    if bound is not None:
+        rotary.forward = bound
+
+
 def tiny(dtype=torch.float64, device="cpu", layers=2, hidden=64, heads=8, kv_heads=2, head_dim=16, seed=0, **config):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=5 * hidden // 2,
