@@ -142,6 +142,15 @@ def test_what_the_forward_kept_goes_with_the_backward_unless_the_graph_is_retain
         assert (nodes[0].kept is None) is not retain
 
 
+def test_batched_gradients_are_refused(lk):
+    model = tiny()
+    lk.tile_decoder_layers(model, chunk=16, min_tokens=0)
+    x = model.model.embed_tokens(ids_for(1, 40)).detach().requires_grad_()
+    out = model.model.layers[0](x, position_embeddings=model.model.rotary_emb(x, torch.arange(40)[None]))
+    with pytest.raises(RuntimeError, match="batched gradients"):
+        torch.autograd.grad(out, x, torch.randn(3, *out.shape, dtype=out.dtype), is_grads_batched=True)
+
+
 def test_double_backward_is_refused(lk):
     model = tiny()
     lk.tile_decoder_layers(model, chunk=16, min_tokens=0)
@@ -155,7 +164,8 @@ def test_double_backward_is_refused(lk):
 @pytest.mark.parametrize(
     "case",
     ["padding mask", "cache", "no grad", "hook on q_proj", "eager attention", "dropout", "lora", "another rotary",
-     "another attention named sdpa", "sdpa replaced", "attention forward patched", "autocast"],
+     "rotate_half patched", "another attention named sdpa", "sdpa replaced", "attention forward patched",
+     "autocast"],
 )  # fmt: skip
 def test_calls_the_tiled_path_does_not_serve_run_the_layers_own_forward(lk, case, monkeypatch):
     model = tiny()
@@ -194,6 +204,9 @@ def test_calls_the_tiled_path_does_not_serve_run_the_layers_own_forward(lk, case
     if case == "another rotary":  # set after tiling (a later patch or kernelize): read at each call
         stock = modeling_llama.apply_rotary_pos_emb
         monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, c, s: stock(2 * q, k, c, s))
+    if case == "rotate_half patched":
+        stock = modeling_llama.rotate_half
+        monkeypatch.setattr(modeling_llama, "rotate_half", lambda x: 2 * stock(x))
     if case == "sdpa replaced":  # as context parallelism's ring attention replaces it
         stock = F.scaled_dot_product_attention
         monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: stock(*a, **k) / 2)

@@ -384,6 +384,16 @@ class TiledDecoderLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_z):
+        functorch = torch._C._functorch  # is_grads_batched batches with the legacy vmap, torch.func with the other
+        if (
+            functorch.is_legacy_batchedtensor(d_z)
+            or functorch.is_batchedtensor(d_z)
+            or functorch.is_functorch_wrapped_tensor(d_z)
+        ):
+            raise RuntimeError(
+                "tile_decoder_layers: batched gradients (is_grads_batched=True, jacobian(vectorize=True), vmap) "
+                "through a tiled decoder layer are not supported; untile the model (untile_decoder_layers) for them"
+            )
         if torch.is_grad_enabled():  # create_graph: these gradients have no derivative of their own
             raise RuntimeError(
                 "tile_decoder_layers: double backward through a tiled decoder layer is not supported; untile the "
@@ -492,11 +502,11 @@ def _llama_rotary(attention_class) -> bool:
     rotary = _rotary_function(getattr(module, "apply_rotary_pos_emb", None))
     if rotary is liger_rotary_pos_emb or rotary is None:
         return rotary is not None
-    known = _ROTARY_FORMS.get(rotary)
+    half = getattr(module, "rotate_half", None)
+    known = _ROTARY_FORMS.get((rotary, half))  # either replaced since is another key
     if known is None:
         _, _, rotary_source, half_source = _llama_sources()
-        half = getattr(module, "rotate_half", None)
-        known = _ROTARY_FORMS[rotary] = (
+        known = _ROTARY_FORMS[(rotary, half)] = (
             isinstance(rotary, types.FunctionType)
             and rotary.__globals__.get("rotate_half") is half
             and _source(rotary) == rotary_source
@@ -505,7 +515,7 @@ def _llama_rotary(attention_class) -> bool:
     return known
 
 
-_ROTARY_FORMS = {}  # function -> bool
+_ROTARY_FORMS = {}  # (the module's apply_rotary_pos_emb, its rotate_half) -> bool
 
 
 def _rotary_function(rotary):
