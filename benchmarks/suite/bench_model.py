@@ -476,7 +476,8 @@ class Bench:
         without a warm-up once this variant has run in this phase: its kernels are compiled, and the step is
         long beside what a warm-up would take off it."""
         per_step = self.predict(phase, variant, seq)
-        timed = 3 if per_step is None or per_step <= 4 else 2 if per_step <= 15 else 1
+        # the smoke test (--quick) always plans 3: its check of the rounds must not depend on the machine's load
+        timed = 3 if self.quick or per_step is None or per_step <= 4 else 2 if per_step <= 15 else 1
         warmup = 0 if per_step is not None and per_step > 30 and (phase, variant) in self.times else 1
         while per_step is not None and timed > 1 and (warmup + timed) * per_step > self.left():
             timed -= 1
