@@ -172,6 +172,13 @@ def _models(options, variant_root, device=None):
 
         reference = LlamaForCausalLM(tiny_llama_config())
         causal_lm = kernelize_tiled(copy.deepcopy(reference), variant_root)
+        if options.get("tile_layers"):  # each decoder layer one sequence-tiled node, in chunks of 64 tokens
+            causal_lm.config.use_cache = False  # a cache asked for is filled by the layers' own forward
+            assert lk.tile_decoder_layers(causal_lm, chunk=64, min_tokens=0) == len(causal_lm.model.layers)
+            for layer in causal_lm.model.layers:  # counted: a call that ran the layer's own forward proves nothing
+                layer.register_forward_hook(
+                    lambda m, a, out: TILED_CALLS.append(type(out.grad_fn).__name__ == "TiledDecoderLayerBackward")
+                )
         units = (
             list(causal_lm.model.layers) if options.get("wrap") == "layers" else [x.mlp for x in causal_lm.model.layers]
         )
@@ -204,6 +211,9 @@ def _models(options, variant_root, device=None):
                 if "embed" in name or "norm" in name:
                     p.requires_grad_(False)
     return model.to(device), reference.to(device), units, loss_of
+
+
+TILED_CALLS = []  # per tiled decoder-layer call of the running case: whether it ran tiled
 
 
 def _engine_run(rank, world, variant_root, options):
@@ -257,7 +267,9 @@ def _engine_run(rank, world, variant_root, options):
     weight_diff = max((full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
     del wrapped, model
     gc.collect()  # DDP's reducer goes while its process group still exists
-    return {"grad_diff": grad_diff, "weight_diff": weight_diff, "missing": missing}
+    tiled = sum(TILED_CALLS)
+    TILED_CALLS.clear()
+    return {"grad_diff": grad_diff, "weight_diff": weight_diff, "missing": missing, "tiled_calls": tiled}
 
 
 def fsdp2_stale_compute_params(rank, world, port, variant_root, options, out_dir):

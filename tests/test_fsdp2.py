@@ -14,6 +14,11 @@ CASES = {
     "llama, accumulation without gradient sync": {"model": "llama", "wrap": "layers", "micro_batches": 2},
     "llama, embeddings and norms frozen": {"model": "llama", "wrap": "layers", "freeze": True},
     "llama, fused loss (causal_lm_loss), layers and lm_head sharded": {"model": "llama_fused_loss", "wrap": "layers"},
+    "llama, decoder layers tiled (tile_decoder_layers), each layer + root": {
+        "model": "llama",
+        "wrap": "layers",
+        "tile_layers": True,
+    },
     "gated MLP stack, each MLP + root": {"model": "mlps", "wrap": "mlp"},
     "gated MLP stack, each projection + each MLP + root (runs untiled)": {"model": "mlps", "wrap": "projections"},
     "gated MLP stack, accumulation": {"model": "mlps", "wrap": "mlp", "micro_batches": 2},
@@ -35,6 +40,8 @@ def test_fsdp2_matches_untiled_reference(fsdp2_results, case):
         assert result["missing"] == [], result
         assert result["grad_diff"] <= 1e-6, result
         assert result["weight_diff"] <= 1e-6, result
+        # the tiled layers' case: both layers of each of the rank's forwards (its own and none of the reference's)
+        assert result["tiled_calls"] == (2 if CASES[case].get("tile_layers") else 0), result
 
 
 def test_fsdp2_stale_compute_params_raise(variant_root, tmp_path):

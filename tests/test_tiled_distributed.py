@@ -43,6 +43,7 @@ STACK_CASES = {
     "find_unused_parameters": {"find_unused_parameters": True},
     "static_graph": {"static_graph": True},
     "no_sync accumulation, 2 micro-batches": {"micro_batches": 2},
+    "llama with its decoder layers tiled (tile_decoder_layers)": {"model": "llama", "tile_layers": True},
 }
 
 
@@ -55,13 +56,15 @@ def stack_results(variant_root, tmp_path_factory):
 
 @pytest.mark.parametrize("case", sorted(STACK_CASES))
 def test_ddp_gated_mlp_stack_matches_untiled_reference(stack_results, case):
-    """A plain stack of tiled gated MLPs under DDP (fp32): gradients and weights after an SGD step with
-    lr 1 within 1e-6 of an untiled single-process run on the global batch."""
+    """A plain stack of tiled gated MLPs under DDP (fp32), and a Llama with its decoder layers tiled:
+    gradients and weights after an SGD step with lr 1 within 1e-6 of an untiled single-process run on the
+    global batch."""
     for results in stack_results:
         result = results[case]
         assert "error" not in result, result.get("error")
         assert result["missing"] == [], result
         assert result["grad_diff"] <= 1e-6 and result["weight_diff"] <= 1e-6, result
+        assert result["tiled_calls"] == (2 if STACK_CASES[case].get("tile_layers") else 0), result
 
 
 def test_ranks_with_different_lengths_run_their_own_shard_counts(variant_root, tmp_path):
