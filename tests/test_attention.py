@@ -69,6 +69,11 @@ def test_the_backward_splits_where_the_workspace_is_large(lk):
     assert groups(meta(1, 32, 16384, 128), meta(1, 32, 16384, 128)) == 1
     assert groups(meta(1, 32, 32768, 128), meta(1, 32, 32768, 128)) == 2
     assert groups(meta(1, 12, 1 << 20, 64), meta(1, 3, 1 << 20, 64)) == 3  # at most one KV head per call
+    # queries and keys of different lengths (the tiled decoder layer's pieces): dq follows the 8,192 queries
+    # (128 MiB), the expansion of dk and dv the keys (1 GiB at 65,536 keys, 2 GiB at 131,072)
+    assert groups(meta(1, 32, 8192, 128), meta(1, 8, 65536, 128)) == 8
+    assert groups(meta(1, 32, 8192, 128), meta(1, 8, 16384, 128)) == 2  # 128 + 256 MiB
+    assert groups(meta(1, 32, 8192, 128), meta(1, 8, 4096, 128)) == 1  # 128 + 64 MiB
 
 
 def tiny_llama(device="cpu", dtype=torch.float64, seed=0, hidden=64, heads=8):

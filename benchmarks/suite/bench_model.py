@@ -206,9 +206,9 @@ def _counted(tiled_forward, info, *args, **kwargs):
 
 def apply_variant(name: str, model, num_shards=None, keep_attention=True):
     """Patch ``model`` as variant ``name``; returns ``(loss_fn(ids), saved, info)``; ``restore(model, saved)``
-    undoes it. ``info["rope_calls"]`` counts this package's rotary calls (ours; ours_layers: the calls that ran
-    tiled, whose rotary runs inside). ``keep_attention=False``: every
-    variant on the plain checkpoint."""
+    undoes it. ``info["rope_calls"]`` counts this package's rotary calls (ours; ours_layers: its layer calls, each
+    running the package's rotary once, inside the tiled layer or not; ``info["tiled_calls"]`` the tiled ones).
+    ``keep_attention=False``: every variant on the plain checkpoint."""
     saved = _snapshot(model)
     info = {"rope_calls": 0}
     mlps = [m for m in model.modules() if isinstance(m, LLAMA_MLP)]
@@ -702,9 +702,10 @@ def _env(device: str) -> dict:
            "has_LigerRMSNorm": hasattr(lk, "LigerRMSNorm"), "variants": available_variants(),
            "has_sdpa_attention": hasattr(lk, "register_sdpa_attention"),
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-           "gradient_checkpointing": "non-reentrant; ours, ours_offload, ours_sdpa, ours_untiled on the 4-layer "
-                                     "model: keep_attention_context where the package has it; ours_offload: "
-                                     "the checkpoints' inputs in pinned host memory",
+           "gradient_checkpointing": "non-reentrant; ours, ours_layers, ours_offload, ours_sdpa, ours_untiled on "
+                                     "the 4-layer model: keep_attention_context where the package has it; "
+                                     "ours_offload: the checkpoints' inputs in pinned host memory; ours_layers: "
+                                     "its tiled layer calls bypass the checkpoint",
            "attention": "sdpa; ours, ours_recompute, ours_untiled: register_sdpa_attention's where the package "
                         "has it"}  # fmt: skip
     try:

@@ -51,10 +51,14 @@ def _modes_active() -> bool:
 
 def backward_groups(query: torch.Tensor, key: torch.Tensor) -> int:
     """The fewest groups of KV heads (a divisor of their count) whose backward workspace each stays within
-    ``MAX_GROUP_WORKSPACE``; one KV head per group at most."""
+    ``MAX_GROUP_WORKSPACE``; one KV head per group at most. The dq accumulator follows the queries, the
+    expansion of dk and dv to the query heads the keys (their lengths differ for the tiled decoder layer's
+    pieces)."""
+    batch, q_heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
-    per_element = DQ_ACCUMULATOR_BYTES + (SHARED_KV_EXPANSION_BYTES if query.shape[1] != kv_heads else 0)
-    workspace = query.numel() * per_element
+    workspace = query.numel() * DQ_ACCUMULATOR_BYTES
+    if q_heads != kv_heads:
+        workspace += batch * q_heads * key.shape[2] * dim * SHARED_KV_EXPANSION_BYTES
     for groups in range(1, kv_heads + 1):
         if kv_heads % groups == 0 and workspace <= groups * MAX_GROUP_WORKSPACE:
             return groups
@@ -63,32 +67,34 @@ def backward_groups(query: torch.Tensor, key: torch.Tensor) -> int:
 
 # ----------------------------------------------------------------------------------------------------------
 # The ops: cuDNN's (what F.scaled_dot_product_attention runs when it chooses cuDNN), and the CPU flash ops with
-# the same contract, through which the tests check the grouping itself on the CPU in float64.
+# the same contract, through which the tests check the grouping itself on the CPU in float64. ``causal`` is the
+# top-left causal mask (queries and keys of equal length here; the tiled decoder layer also attends without
+# one).
 
 
-def _cudnn_forward(query, key, value, scale):
+def _cudnn_forward(query, key, value, scale, causal=True):
     out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
-        query, key, value, None, True, 0.0, True, False, scale=scale
+        query, key, value, None, True, 0.0, causal, False, scale=scale
     )
     return out, lse, (seed, offset)
 
 
-def _cudnn_backward(d_out, query, key, value, out, lse, state, scale):
+def _cudnn_backward(d_out, query, key, value, out, lse, state, scale, causal=True):
     seed, offset = state
     return aten._scaled_dot_product_cudnn_attention_backward(
-        d_out, query, key, value, out, lse, seed, offset, None, None, None, query.shape[2], key.shape[2], 0.0, True,
-        scale=scale,
+        d_out, query, key, value, out, lse, seed, offset, None, None, None, query.shape[2], key.shape[2], 0.0,
+        causal, scale=scale,
     )  # fmt: skip
 
 
-def _cpu_forward(query, key, value, scale):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True, scale=scale)
+def _cpu_forward(query, key, value, scale, causal=True):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, scale=scale)
     return out, lse, ()
 
 
-def _cpu_backward(d_out, query, key, value, out, lse, state, scale):
+def _cpu_backward(d_out, query, key, value, out, lse, state, scale, causal=True):
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        d_out, query, key, value, out, lse, 0.0, True, scale=scale
+        d_out, query, key, value, out, lse, 0.0, causal, scale=scale
     )
 
 

@@ -50,8 +50,6 @@ from ._gated import gated_forward, gated_recompute_backward
 from .rms_norm import norm_backward, norm_forward
 from .rotary import _dense_like, _rotate, liger_rotary_pos_emb, rotary_backward, rotary_forward
 
-aten = torch.ops.aten
-
 DEFAULT_CHUNK = 8192
 # Shorter calls run the layer's own forward: the tiled backward's fixed costs (the fp32 weight-gradient sums,
 # twice a layer's weights, and the MLP's row buffers) outweigh the activations it saves below about this many
@@ -61,36 +59,9 @@ MIN_TOKENS = 32768
 MLP_ROWS = 2048
 
 # ----------------------------------------------------------------------------------------------------------
-# The attention pieces: cuDNN's SDPA (what F.scaled_dot_product_attention runs for bf16/fp16 on an H100/H200),
-# and the CPU flash ops with the same contract. ``causal`` is cuDNN's top-left causal mask: for the diagonal
-# block, whose queries and keys are the same positions, that is the layer's causal mask.
-
-
-def _cudnn_forward(q, k, v, scale, causal):
-    out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, causal, False, scale=scale
-    )
-    return out, lse, (seed, offset)
-
-
-def _cudnn_backward(d_out, q, k, v, out, lse, state, scale, causal):
-    seed, offset = state
-    return aten._scaled_dot_product_cudnn_attention_backward(
-        d_out, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale
-    )
-
-
-def _cpu_forward(q, k, v, scale, causal):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse, ()
-
-
-def _cpu_backward(d_out, q, k, v, out, lse, state, scale, causal):
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(d_out, q, k, v, out, lse, 0.0, causal, scale=scale)
-
-
-CUDNN_OPS = (_cudnn_forward, _cudnn_backward)
-CPU_OPS = (_cpu_forward, _cpu_backward)
+# The attention pieces run attention.py's ops: cuDNN's SDPA (what F.scaled_dot_product_attention runs for
+# bf16/fp16 on an H100/H200) and the CPU flash ops with the same contract. Their ``causal`` is the top-left
+# causal mask: for the diagonal block, whose queries and keys are the same positions, the layer's mask.
 
 
 def _ops_for(x: torch.Tensor, spec):
@@ -98,7 +69,7 @@ def _ops_for(x: torch.Tensor, spec):
     cuDNN's SDPA, where it is enabled (an ``sdpa_kernel`` restriction without it keeps the layer's own
     forward) and runs: compute capability 8.0 or later, head dims that are multiples of 8 up to 128."""
     if x.device.type == "cpu":
-        return CPU_OPS
+        return _attention.CPU_OPS
     if (
         x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
@@ -108,7 +79,7 @@ def _ops_for(x: torch.Tensor, spec):
         and spec.head_dim % 8 == 0
         and spec.head_dim <= 128
     ):
-        return CUDNN_OPS
+        return _attention.CUDNN_OPS
     return None
 
 
@@ -122,17 +93,6 @@ def _merge(o_diag, lse_diag, o_past, lse_past, out):
     merged.addcmul_(o_diag.to(wide), (lse_diag - lse).exp_().reshape(rows))
     out.copy_(merged)
     return lse
-
-
-def _backward_groups(q_heads, kv_heads, batch, q_len, k_len, head_dim) -> int:
-    """The fewest groups of KV heads whose cuDNN backward workspace each stays within the attention module's
-    bound: an fp32 dq accumulator (4 bytes per element of q) and, with shared KV heads, dk and dv expanded to
-    the query heads in 16 bits (4 bytes per query head, key and dim)."""
-    per_q_head = batch * head_dim * (4 * q_len + (4 * k_len if q_heads != kv_heads else 0))
-    for groups in range(1, kv_heads + 1):
-        if kv_heads % groups == 0 and q_heads // groups * per_q_head <= _attention.MAX_GROUP_WORKSPACE:
-            return groups
-    return kv_heads
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -306,7 +266,7 @@ def _backward_chunk(run, i, x_c, o):
     lse, states = run.kept.lse[i], run.kept.states[i]
     pieces = [(s0, s1, True, states[0])] + ([(0, s0, False, states[1])] if s0 else [])
     for first, (k0, k1, causal, state) in enumerate(pieces):
-        groups = _backward_groups(heads, kv_heads, batch, c, k1 - k0, d)
+        groups = _attention.backward_groups(q, run.keys[:, :, k0:k1])
         per_q, per_kv = heads // groups, kv_heads // groups
         for g in range(groups):
             qh, kvh = slice(g * per_q, (g + 1) * per_q), slice(g * per_kv, (g + 1) * per_kv)
@@ -693,11 +653,9 @@ class _Bypass:
 
     def __call__(self, function, *args, **kwargs):
         if isinstance(function, functools.partial) and len(args) == 1 and not kwargs:
-            keywords = dict(function.keywords)
-            found = _tiled_call(
-                self.layer, args[0], keywords.pop("attention_mask", None), keywords.pop("past_key_values", None),
-                keywords.pop("position_embeddings", None), {k: v for k, v in keywords.items() if k != "position_ids"},
-            )  # fmt: skip
+            keywords = dict(function.keywords)  # the layer's call: its keywords as _tiled_forward takes them
+            mask, cache = keywords.pop("attention_mask", None), keywords.pop("past_key_values", None)
+            found = _tiled_call(self.layer, args[0], mask, cache, keywords.pop("position_embeddings", None), keywords)
             if found is not None:
                 return function(*args)
         return self.checkpoint(function, *args, **kwargs)
