@@ -158,6 +158,17 @@ def _device(options, rank):
     return torch.device("cuda", rank) if options.get("backend") == "nccl" else torch.device("cpu")
 
 
+def _tile_layers(lk, causal_lm) -> None:
+    """Each decoder layer one sequence-tiled node, in chunks of 64 tokens; each call counted in TILED_CALLS (a
+    call that ran the layer's own forward proves nothing about the tiled path)."""
+    causal_lm.config.use_cache = False  # a cache asked for is filled by the layers' own forward
+    assert lk.tile_decoder_layers(causal_lm, chunk=64, min_tokens=0) == len(causal_lm.model.layers)
+    for layer in causal_lm.model.layers:
+        layer.register_forward_hook(
+            lambda m, a, out: TILED_CALLS.append(type(out.grad_fn).__name__ == "TiledDecoderLayerBackward")
+        )
+
+
 def _models(options, variant_root, device=None):
     """(model with tiled MLPs, untiled reference, the units to shard, loss_of(model, rank, micro))."""
     import copy
@@ -172,13 +183,8 @@ def _models(options, variant_root, device=None):
 
         reference = LlamaForCausalLM(tiny_llama_config())
         causal_lm = kernelize_tiled(copy.deepcopy(reference), variant_root)
-        if options.get("tile_layers"):  # each decoder layer one sequence-tiled node, in chunks of 64 tokens
-            causal_lm.config.use_cache = False  # a cache asked for is filled by the layers' own forward
-            assert lk.tile_decoder_layers(causal_lm, chunk=64, min_tokens=0) == len(causal_lm.model.layers)
-            for layer in causal_lm.model.layers:  # counted: a call that ran the layer's own forward proves nothing
-                layer.register_forward_hook(
-                    lambda m, a, out: TILED_CALLS.append(type(out.grad_fn).__name__ == "TiledDecoderLayerBackward")
-                )
+        if options.get("tile_layers"):
+            _tile_layers(lk, causal_lm)
         units = (
             list(causal_lm.model.layers) if options.get("wrap") == "layers" else [x.mlp for x in causal_lm.model.layers]
         )
@@ -333,6 +339,7 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
     lk = _package(variant_root)
     device = _device(options, rank)
     stage, accumulation = options["stage"], options.get("accumulation", 1)
+    TILED_CALLS.clear()  # an earlier case that raised left its calls
     seqs = options.get("seq_by_rank") or [options.get("seq", 256)] * world
     config = {
         "train_batch_size": world * accumulation,
@@ -357,6 +364,8 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
 
         def build():
             model = kernelize_tiled(copy.deepcopy(reference), variant_root)
+            if options.get("tile_layers"):
+                _tile_layers(lk, model)
             return lk.CausalLMWithFusedLoss(model) if fused else model
 
         def loss_of(m, r, micro):
@@ -452,7 +461,9 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
         weight_diff = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(params, reference.parameters()))
     del engine, model
     gc.collect()
-    return {"grad_diff": grad_diff, "weight_diff": weight_diff, "missing": missing, "partitioned": partitioned}
+    tiled, calls = sum(TILED_CALLS), len(TILED_CALLS)
+    return {"grad_diff": grad_diff, "weight_diff": weight_diff, "missing": missing, "partitioned": partitioned,
+            "tiled_calls": tiled, "layer_calls": calls}  # fmt: skip
 
 
 def _count_collectives(lk, engine, loss_of, rank):

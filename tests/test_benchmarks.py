@@ -467,6 +467,63 @@ def test_bench_model_searches_from_earlier_rows(suite_module, monkeypatch):
     assert [r["S"] for r in result["4layer"]["seeded_rows"]] == [128, 256]
 
 
+def _searched(bench_model, limits, usable, seeds, step=4096, cap=1 << 20):
+    """Bench.search over stubbed steps: variant v fits up to limits[v] tokens and its peak is
+    1 GiB + S * 64 KiB (what the rows and fits report); ``usable``: the bytes a step can get, or None."""
+    gib = bench_model.GIB
+    bench = bench_model.Bench("cpu", quick=False, budget_s=1e9)
+    bench.result = {"4layer": {}}
+    bench.usable_bytes = lambda: usable
+
+    def attempt(model, phase, variant, seq, warmup, timed):
+        if seq > limits[variant]:
+            return {"variant": variant, "S": seq, "status": "oom"}
+        peak = gib + seq * 65536
+        return {"variant": variant, "S": seq, "status": "ok", "extra_bytes": peak, "extra_gib": peak / gib}
+
+    bench.attempt = attempt
+    rows = [{"variant": v, "S": s, "status": "ok", "extra_gib": 1 + s * 65536 / gib} for v in limits for s in seeds]
+    return bench.search(None, "4layer", rows, list(limits), 16384, step, cap)
+
+
+def test_bench_model_search_follows_the_memory_line(suite_module):
+    """With peaks for two fits and the memory a step can get, the search tries the largest S the line allows
+    and the step above it; a line that is off costs at most two tries over doubling and bisecting, and every
+    search ends with the largest fit and the smallest length out of memory one step apart."""
+    bench_model = suite_module("bench_model")
+    gib, step = bench_model.GIB, 4096
+    usable = 1 * gib + 700_000 * 65536  # the line allows 700,000 tokens: 696,320 on the grid
+    seeds = (65536, 131072)
+
+    exact = _searched(bench_model, {"a": 696_320}, usable, seeds)["a"]
+    assert [t["S"] for t in exact["attempts"]] == [262144, 524288, 696320, 700416]
+    assert [t["guided"] for t in exact["attempts"]] == [False, False, True, True]
+    assert (exact["max_S"], exact["oom_at"], exact["complete"]) == (696320, 700416, True)
+    assert exact["peaks_gib"]["696320"] == pytest.approx(1 + 696320 * 65536 / gib)
+
+    # several variants at once, the line exact for "a", over and under for the others
+    limits = {"a": 696_320, "over": 487_424, "under": 901_120, "just above the seeds": 135_168}
+    guided = _searched(bench_model, limits, usable, seeds)
+    plain = _searched(bench_model, limits, None, seeds)
+    for variant, limit in limits.items():
+        for result in (guided[variant], plain[variant]):
+            assert (result["max_S"], result["oom_at"], result["complete"]) == (limit, limit + step, True), result
+            tried = [t["S"] for t in result["attempts"]]
+            assert len(set(tried)) == len(tried)
+        assert len(guided[variant]["attempts"]) <= len(plain[variant]["attempts"]) + 2
+        assert sum(t["guided"] for t in guided[variant]["attempts"]) <= 2
+        assert not any(t["guided"] for t in plain[variant]["attempts"])
+    assert len(guided["a"]["attempts"]) < len(plain["a"]["attempts"]) - 3
+
+    # the line says the largest fit is the limit: the step above it, not a doubling
+    at_limit = _searched(bench_model, {"a": 696_320}, usable, (131072, 696_320))["a"]
+    assert [t["S"] for t in at_limit["attempts"]] == [700416]
+    # a variant that fits everything stops at the cap
+    capped = _searched(bench_model, {"a": 1 << 30}, 1000 * gib, seeds)["a"]
+    assert (capped["max_S"], capped["at_cap"]) == (1 << 20, True)
+    assert max(t["S"] for t in capped["attempts"]) == 1 << 20
+
+
 def test_bench_model_confirms_from_an_earlier_run(tmp_path):
     """bench_model.py --quick --no-confirm runs the 32-layer phase's lengths without the step at the implied
     largest S; --confirm-from then runs that step alone, at 97% of the earlier run's implied S (a CPU run has

@@ -42,6 +42,18 @@ CASES = {
     },
     "ZeRO-3, a user's fn gathered per shard": {"model": "mlps_generic", "stage": 3, "seq": 250},
     "ZeRO-3, llama, MLPs as ZeRO-3 leaves": {"model": "llama", "stage": 3, "leaf": True},
+    # ZeRO-3 hooks every submodule to gather its weights, and a tiled layer whose submodules have hooks runs its
+    # own forward (README Limits): correct, untiled (no tiled call). ZeRO-2 hooks no module: tiled.
+    "ZeRO-3, llama with its decoder layers tiled (tile_decoder_layers)": {
+        "model": "llama",
+        "stage": 3,
+        "tile_layers": True,
+    },
+    "ZeRO-2, llama with its decoder layers tiled (tile_decoder_layers)": {
+        "model": "llama",
+        "stage": 2,
+        "tile_layers": True,
+    },
     "ZeRO-2, gated MLP stack": {"model": "mlps", "stage": 2},
     "ZeRO-2, llama, reduce_bucket_size 4096": {"model": "llama", "stage": 2, "bucket": 4096},
 }
@@ -85,6 +97,10 @@ def test_zero_matches_untiled_reference(zero_results, case):
         assert result["missing"] == [], result
         assert result["grad_diff"] <= 1e-6, result
         assert result["weight_diff"] <= 1e-6, result
+        # one forward of two layers on each rank: tiled under ZeRO-2, each layer's own forward under ZeRO-3
+        layers = 2 if CASES[case].get("tile_layers") else 0
+        assert result["layer_calls"] == layers, result
+        assert result["tiled_calls"] == (layers if CASES[case]["stage"] == 2 else 0), result
 
 
 @pytest.mark.parametrize("case", sorted(COLLECTIVE_CASES))

@@ -1,7 +1,9 @@
 """Fused linear cross-entropy on the GPU: a Llama-3-8B head (N = 32768 tokens, H = 4096, V = 128256, bf16, mean
 over the non-ignored tokens), forward and forward + backward, for this package, eager PyTorch
 (``F.cross_entropy((x @ W.T).float(), target)``), torch.compile of that, and the peer liger-kernel 0.8.5's
-``LigerFusedLinearCrossEntropyLoss`` when its wheel is importable.
+``LigerFusedLinearCrossEntropyLoss`` when its wheel is importable. This package runs twice: with its default fp32
+weight-gradient sums, and with ``accum_dtype=torch.bfloat16``, the peer's own precision (it sums the weight
+gradient in the weight's dtype), the like-for-like row against the peer.
 
     python benchmarks/suite/bench_flce.py --out flce.json [--tokens 32768]
     python benchmarks/suite/bench_flce.py --device cpu --quick     # smoke test of the code, no GPU
@@ -70,6 +72,10 @@ def variants():
     """{name: loss(x, weight, target)}."""
     found = {
         "liger-kernels": lambda x, w, t: lk.liger_fused_linear_cross_entropy(x, w, t),
+        # the peer's precision: its weight gradient is summed in the weight's dtype, chunk after chunk
+        "liger-kernels, accum bf16": lambda x, w, t: lk.liger_fused_linear_cross_entropy(
+            x, w, t, accum_dtype=torch.bfloat16
+        ),
         "eager": eager,
         "torch.compile": torch.compile(eager),
     }

@@ -34,8 +34,9 @@ allocated before the step: activations, recompute buffers and the weights' gradi
 before each step, so their size, ``grads_gib``, is inside the figure), ``tokens_per_s``, and the loss.
 
 - 4-layer model: S = 16384, 65536, 131072 for every variant ("oom" recorded), then the largest S that fits per
-  variant (one step per try): doubling from the largest fit, then bisecting to a multiple of 4096; the
-  cheapest pending try runs first, and none starts whose predicted time exceeds the budget left.
+  variant (one step per try): doubling from the largest fit, then bisecting to a multiple of 4096, with up to
+  two tries per variant at the largest S its memory line allows instead (``Bench.search``); the cheapest
+  pending try runs first, and none starts whose predicted time exceeds the budget left.
 - 32-layer model (the full Llama-3-8B): S = 32768, 65536, 131072; memory per token from the two longest
   (one point: an upper bound), the largest S it implies on this GPU's total memory, and one step of ``ours``
   near it. Two points are not enough where the peak moves between them: at 32k the peak is in the last
@@ -537,62 +538,111 @@ class Bench:
         key = (row["model"], row["variant"])
         self.times[key] = [p for p in self.times[key] if p[0] != row["S"]] + [(row["S"], row["ms"] / 1e3)]
 
+    def usable_bytes(self):
+        """Bytes a step could still get: the GPU's free memory plus what the allocator holds unused (the CUDA
+        context and other processes excluded, unlike the total memory the implied S is quoted on)."""
+        if not self.cuda:
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+
     def search(self, model, phase, rows, variants, start, step, cap) -> dict:
         """Largest S (multiple of ``step``) that fits, per variant: double from the largest fit until one
-        does not, then bisect; one step per try; the cheapest pending try first, within the budget."""
-        state = {}
+        does not, then bisect; one step per try; the cheapest pending try first, within the budget.
+
+        Past 500k tokens a try takes minutes, so the memory line may stand in for a doubling or a midpoint:
+        the largest S that the line through the variant's two longest fits' peaks allows on the memory a step
+        can get (``usable_bytes``), kept strictly between the largest fit and the smallest length out of memory
+        (so the step above the largest fit where the line says it is the limit), is tried instead of a
+        doubling beyond it or of the midpoint. The line is a guess (the peak's place can move with S: 2.45
+        GiB above the line at 1,048,576 tokens for ``ours``, NOTES.md §30), so each variant has at most two
+        guided tries; after them the search doubles and bisects: at most two tries more than without it."""
+        state, peaks, guided = {}, {}, {}
         for variant in variants:
             fits = [r["S"] for r in rows if r["variant"] == variant and r["status"] == "ok"]
             lo = max(fits) if fits else None
             mine = [r for r in rows if r["variant"] == variant and r["status"] == "oom"]
             ooms = [r["S"] for r in mine if lo is None or r["S"] > lo]
-            state[variant] = {"max_S": lo, "oom_at": min(ooms) if ooms else None, "attempts": [], "done": False}
+            measured = [r for r in rows if r["variant"] == variant and r["status"] == "ok" and r.get("extra_gib")]
+            peaks[variant] = {r["S"]: r.get("extra_bytes") or r["extra_gib"] * GIB for r in measured}
+            guided[variant] = 0
+            state[variant] = {"max_S": lo, "oom_at": min(ooms) if ooms else None, "attempts": []}
+        usable = self.usable_bytes()
+        self.result[phase]["search_usable_gib"] = None if usable is None else usable / GIB
+        done = set()
 
-        def candidate(s):
+        def line_guess(variant):
+            """The largest S the variant's memory line allows, or None (no two fits, no GPU, two guided
+            tries spent)."""
+            if usable is None or len(peaks[variant]) < 2 or guided[variant] >= 2:
+                return None
+            implied = implied_max_tokens(list(peaks[variant].items()), usable, 0, step)
+            return implied and implied.get("max_S")
+
+        def candidate(variant):
+            """(S to try next or None, whether the line chose it)."""
+            s = state[variant]
             lo, hi = s["max_S"], s["oom_at"]
             if lo is None and hi is None:
-                return start
+                return start, False
             if lo is None:
                 c = hi // 2 // step * step
-                return c if c >= step else None
+                return (c if c >= step else None), False
+            if hi is not None and hi - lo <= step:
+                return None, False
+            guess = line_guess(variant)
             if hi is None:
-                return min(2 * lo, cap) if lo < cap else None
-            c = (lo + hi) // 2 // step * step
-            return c if lo < c < hi else None
+                if lo >= cap:
+                    return None, False
+                plain = min(2 * lo, cap)
+                if guess is None or guess >= plain:
+                    return plain, False
+                return max(guess, lo + step), True  # at or below the largest fit: the step above it
+            if guess is not None:
+                return min(max(guess, lo + step), hi - step), True
+            return (lo + hi) // 2 // step * step, False
+
+        def show(s, variant):
+            s["peaks_gib"] = {str(k): v / GIB for k, v in sorted(peaks[variant].items())}
 
         while True:
             pending = []
-            for variant, s in state.items():
-                if s["done"] or (phase, variant) in self.broken:
-                    s["done"] = True
+            for variant in state:
+                if variant in done or (phase, variant) in self.broken:
+                    done.add(variant)
                     continue
-                c = candidate(s)
+                c, by_line = candidate(variant)
                 if c is None:
-                    s["done"] = True
+                    done.add(variant)
                     continue
-                pending.append((self.predict(phase, variant, c) or 0.0, c, variant))
+                pending.append((self.predict(phase, variant, c) or 0.0, c, variant, by_line))
             if not pending:
                 break
-            cost, seq, variant = min(pending)
+            cost, seq, variant, by_line = min(pending)
             if cost > self.left() or self.left() <= 0:
-                for _, c, v in pending:
+                for _, c, v, _ in pending:
                     state[v]["stopped"] = f"budget: next try S={c} predicted {self.predict(phase, v, c) or 0:.0f} s"
                 break
             row = self.attempt(model, phase, variant, seq, 0, 1)
+            row["guided"] = by_line
             s = state[variant]
             s["attempts"].append(row)
             if row["status"] == "ok":
                 s["max_S"] = seq
+                if row.get("extra_bytes"):
+                    peaks[variant][seq] = row["extra_bytes"]
             elif row["status"] == "oom":
                 s["oom_at"] = seq
             else:
-                s["done"] = True
+                done.add(variant)
+            guided[variant] += by_line
+            show(s, variant)
             self.result[phase]["search"] = state
             self.save()
         for variant, s in state.items():
             s["complete"] = "stopped" not in s and (phase, variant) not in self.broken
             s["at_cap"] = s["max_S"] == cap
-            s.pop("done", None)
+            show(s, variant)
         self.result[phase]["search"] = state
         return state
 
