@@ -162,6 +162,7 @@ def _tile_layers(lk, causal_lm) -> None:
     """Each decoder layer one sequence-tiled node, in chunks of 64 tokens; each call counted in TILED_CALLS (a
     call that ran the layer's own forward proves nothing about the tiled path)."""
     causal_lm.config.use_cache = False  # a cache asked for is filled by the layers' own forward
+    TILED_CALLS.clear()  # an earlier case that raised left its calls
     assert lk.tile_decoder_layers(causal_lm, chunk=64, min_tokens=0) == len(causal_lm.model.layers)
     for layer in causal_lm.model.layers:
         layer.register_forward_hook(
@@ -222,6 +223,13 @@ def _models(options, variant_root, device=None):
 TILED_CALLS = []  # per tiled decoder-layer call of the running case: whether it ran tiled
 
 
+def _tiled_counts() -> dict:
+    """The running case's decoder-layer calls and how many of them ran tiled; the record is emptied."""
+    counts = {"tiled_calls": sum(TILED_CALLS), "layer_calls": len(TILED_CALLS)}
+    TILED_CALLS.clear()
+    return counts
+
+
 def _engine_run(rank, world, variant_root, options):
     import gc
 
@@ -273,9 +281,7 @@ def _engine_run(rank, world, variant_root, options):
     weight_diff = max((full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
     del wrapped, model
     gc.collect()  # DDP's reducer goes while its process group still exists
-    tiled = sum(TILED_CALLS)
-    TILED_CALLS.clear()
-    return {"grad_diff": grad_diff, "weight_diff": weight_diff, "missing": missing, "tiled_calls": tiled}
+    return {"grad_diff": grad_diff, "weight_diff": weight_diff, "missing": missing, **_tiled_counts()}
 
 
 def fsdp2_stale_compute_params(rank, world, port, variant_root, options, out_dir):
@@ -339,7 +345,6 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
     lk = _package(variant_root)
     device = _device(options, rank)
     stage, accumulation = options["stage"], options.get("accumulation", 1)
-    TILED_CALLS.clear()  # an earlier case that raised left its calls
     seqs = options.get("seq_by_rank") or [options.get("seq", 256)] * world
     config = {
         "train_batch_size": world * accumulation,
@@ -461,9 +466,8 @@ def _zero_run(rank, world, variant_root, options, deepspeed, copy):
         weight_diff = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(params, reference.parameters()))
     del engine, model
     gc.collect()
-    tiled, calls = sum(TILED_CALLS), len(TILED_CALLS)
     return {"grad_diff": grad_diff, "weight_diff": weight_diff, "missing": missing, "partitioned": partitioned,
-            "tiled_calls": tiled, "layer_calls": calls}  # fmt: skip
+            **_tiled_counts()}  # fmt: skip
 
 
 def _count_collectives(lk, engine, loss_of, rank):

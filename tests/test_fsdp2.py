@@ -42,6 +42,7 @@ def test_fsdp2_matches_untiled_reference(fsdp2_results, case):
         assert result["weight_diff"] <= 1e-6, result
         # the tiled layers' case: both layers of each of the rank's forwards (its own and none of the reference's)
         assert result["tiled_calls"] == (2 if CASES[case].get("tile_layers") else 0), result
+        assert result["layer_calls"] == result["tiled_calls"], result  # every layer call counted ran tiled
 
 
 def test_fsdp2_stale_compute_params_raise(variant_root, tmp_path):

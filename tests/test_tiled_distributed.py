@@ -65,6 +65,7 @@ def test_ddp_gated_mlp_stack_matches_untiled_reference(stack_results, case):
         assert result["missing"] == [], result
         assert result["grad_diff"] <= 1e-6 and result["weight_diff"] <= 1e-6, result
         assert result["tiled_calls"] == (2 if STACK_CASES[case].get("tile_layers") else 0), result
+        assert result["layer_calls"] == result["tiled_calls"], result  # every layer call counted ran tiled
 
 
 def test_ranks_with_different_lengths_run_their_own_shard_counts(variant_root, tmp_path):
