@@ -474,3 +474,36 @@ def test_in_place_activation_matches_the_reference(lk, name, dtype):
     out = activation.torch_in_place(x)
     assert out.data_ptr() == x.data_ptr() and out.dtype == dtype
     assert rel_err(out, want) <= 2 * torch.finfo(dtype).eps
+
+
+def test_launch_plans_never_stand_for_the_multipliers(lk):
+    """The kernels' launches are planned once per layout; the multipliers, which change from call to call, are
+    passed at every launch: interleaved calls on one layout with other multipliers each get their own, forward
+    and backward."""
+    a = torch.randn(4, 64, dtype=torch.float32, requires_grad=True)
+    b = torch.randn(4, 64, dtype=torch.float32, requires_grad=True)
+    with backend("triton"):
+        for gate_multiplier, down_multiplier in [(1.0, 1.0), (2.5, 1.0), (1.0, -3.0), (0.5, 0.25), (1.0, 1.0)]:
+            out = lk.gated_mul(a, b, "silu", gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
+            d_a, d_b = torch.autograd.grad(out, (a, b), torch.ones_like(out))
+            a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+            want = torch.nn.functional.silu(a64 * gate_multiplier) * b64 * down_multiplier
+            want_grads = torch.autograd.grad(want, (a64, b64), torch.ones_like(want))
+            for got, ref in ((out, want), (d_a, want_grads[0]), (d_b, want_grads[1])):
+                assert rel_err(got, ref) < 1e-6, (gate_multiplier, down_multiplier)
+
+
+def test_each_launch_is_planned_from_its_own_call(lk, monkeypatch):
+    """The launch plans are cached per layout: the backward, the tiled MLP's recompute (which also stores the
+    forward output) and a launch after the maintainers' sweep changed the block size each get their own."""
+    seen = []
+    monkeypatch.setattr(lk._gated, "launch_prepared", lambda kernel, tensors, plan, trailing: seen.append(plan))
+    silu = lk.activations.REGISTRY["silu"]
+    gate, up = torch.randn(4, 64), torch.randn(4, 64)
+    with backend("triton"):
+        lk._gated.gated_backward(gate, gate.clone(), up.clone(), silu)
+        lk._gated.gated_recompute_backward(gate.clone(), gate.clone(), up.clone(), silu)
+        monkeypatch.setattr(lk._gated, "BLOCK", 64)
+        lk._gated.gated_backward(gate, gate.clone(), up.clone(), silu)
+    plans = [(plan.meta["STORE_OUT"], plan.meta["BLOCK"], plan.grid) for plan in seen]
+    assert plans == [(False, 2048, (1,)), (True, 2048, (1,)), (False, 64, (4,))]

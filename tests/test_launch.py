@@ -116,7 +116,7 @@ def test_only_launches_with_every_constexpr_by_name_are_cached(lk, n_args, meta,
     cached = lk._launch._CACHES.get(id(_scale_kernel), (None, {}))[1]
     assert (("key",) in cached) == kept
     if kept:
-        assert cached[("key",)][4] == ("BLOCK",)
+        assert cached[("key",)][4] == (64,)  # the constexpr values, passed after the arguments
 
 
 class _CudaLauncher:
@@ -278,3 +278,31 @@ def test_tensors_on_another_gpu_run_there(lk):
                 for g, w in zip(got_op, want_op):
                     assert g.device == torch.device("cuda:1")
                     assert torch.equal(g.cpu(), w.cpu())
+
+
+@pytest.mark.gpu
+def test_a_cpu_tensor_among_gpu_arguments_is_refused_at_every_launch(lk):
+    """A CPU tensor among a kernel's GPU arguments is refused, and not only on the first launch: its key equals an
+    aligned GPU tensor's (dtype and alignment), so the second call reaches the cached kernel, whose launcher is
+    handed the tensors themselves and asks the driver for each pointer, which refuses a host address. (Passing
+    addresses instead would skip that check: NOTES.md §31.)"""
+    kernel = lk._gated._gated_forward_kernel
+    gate, up = (torch.randn(4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.full_like(gate, float("nan"))
+    meta = dict(ACTIVATION=lk.activations.REGISTRY["silu"].triton_value, ONE_ROW=True, BLOCK=2048, num_warps=4)
+    args = (gate, up, out, 4096, 0, 0, 0, 1.0, 1.0)
+    lk._launch.launch(kernel, (2,), args, **meta)  # compiled, and cached for GPU tensors
+    assert rel_err(out, torch.nn.functional.silu(gate.double()) * up.double()) < 1e-2
+    for _ in range(2):  # the second time too: nothing was cached for the CPU tensor
+        with pytest.raises(ValueError, match="cpu tensor"):
+            lk._launch.launch(kernel, (2,), (gate, up.cpu(), *args[2:]), **meta)
+
+
+def test_a_prepared_share_has_one_token_and_only_equal_shares_share_it(lk):
+    """A ``Prepared``'s constexprs and scalar classes stand in the launch key as one token object: equal shares
+    get the same token (the grid is no part of the compiled kernel), any difference Triton compiles by (the
+    constexpr's type or value, an int's class) another one."""
+    prepared = lk._launch.Prepared
+    assert prepared((1,), (3,), X=1).key is prepared((2,), (5,), X=1).key
+    keys = [prepared((1,), (3,), X=value).key for value in (1, True, 1.0, 2)] + [prepared((1,), (16,), X=1).key]
+    assert len({id(key) for key in keys}) == len(keys)

@@ -58,7 +58,6 @@ def new_strided(shape, stride, dtype, device) -> torch.Tensor:
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
-TRITON_DEVICE_TYPES = ("cuda", "xpu")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("auto", "torch", "triton")
 
@@ -92,11 +91,12 @@ def requested_backend() -> str:
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """True when the op on ``tensor`` (already validated) should run the Triton kernels."""
-    choice = requested_backend()
+    choice = _choice if _choice is not None else requested_backend()
     if choice == "torch":
         return False
     runnable = HAS_TRITON and tensor.dtype in TRITON_DTYPES
-    on_device = tensor.device.type in TRITON_DEVICE_TYPES
+    # CUDA (ROCm's tensors are is_cuda too) or XPU, asked without building a torch.device
+    on_device = tensor.is_cuda or tensor.is_xpu
     if choice == "auto":
         return runnable and on_device
     # choice == "triton": forced, e.g. by tests that run the kernels through the interpreter.

@@ -15,7 +15,7 @@ import torch
 
 from . import _backend
 from ._backend import constexpr, graph_is_retained, jit, tl, use_triton
-from ._launch import launch
+from ._launch import Prepared, launch_prepared
 from .activations import REGISTRY, GatedActivation
 
 # ----------------------------------------------------------------------------------------------------------
@@ -174,18 +174,40 @@ def _grid(n_rows: int, n_cols: int):
     return (n_rows * ((n_cols + BLOCK - 1) // BLOCK),)
 
 
+# Launch plans (grid, the layout's scalar arguments, constexprs), one per layout, made once: at the sizes where
+# the host sets the pace, keying each launch's 9-14 arguments afresh cost as much as the launch (NOTES.md §31).
+# Every part of the key is an int, a bool or None, each always in the same place, so equal keys are equal
+# launches; the activation's jit function by id (a jit function hashes in Python, behind a lock; the plan
+# holds the function, so its id is not reused while the entry lives). The multipliers change from call to
+# call: they follow the plan's scalars as ``launch_prepared``'s trailing arguments, keyed at each launch.
+# Bounded: varying lengths meet many layouts.
+_PLANS = {}
+MAX_PLANS = 1024
+
+
+def _plan(function, store_out, n_rows: int, n_cols: int, strides) -> Prepared:
+    """``function``: the activation's jit function, ``triton_value`` (forward, ``store_out`` None) or
+    ``triton_value_and_grad`` (backward)."""
+    key = (id(function), store_out, n_rows, n_cols, *strides, BLOCK, NUM_WARPS)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        if store_out is None:
+            role = {"ACTIVATION": function}
+        else:
+            role = {"ACTIVATION_AND_GRAD": function, "STORE_OUT": store_out}
+        grid = _grid(n_rows, n_cols)
+        role.update(ONE_ROW=n_rows == 1, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        plan = _PLANS[key] = Prepared(grid, (n_cols, *strides), **role)
+    return plan
+
+
 def _forward_triton(gate, up, activation: GatedActivation, gate_multiplier, down_multiplier):
     out = _backend.new_like(gate)
-    (gate_rows, up_rows, out_rows), n_rows, n_cols, strides = _as_rows([gate, up, out])
-    launch(
-        _gated_forward_kernel,
-        _grid(n_rows, n_cols),
-        (gate_rows, up_rows, out_rows, n_cols, *strides, gate_multiplier, down_multiplier),
-        ACTIVATION=activation.triton_value,
-        ONE_ROW=n_rows == 1,
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
-    )
+    rows, n_rows, n_cols, strides = _as_rows([gate, up, out])
+    plan = _plan(activation.triton_value, None, n_rows, n_cols, strides)
+    launch_prepared(_gated_forward_kernel, rows, plan, (gate_multiplier, down_multiplier))
     return out
 
 
@@ -200,16 +222,9 @@ def _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multipli
     if in_place and (d_gate_rows.data_ptr() != gate.data_ptr() or d_up_rows.data_ptr() != up.data_ptr()):
         # _as_rows had to copy: write into the copies, which are the gradients.
         d_gate, d_up = d_gate_rows.view(gate.shape), d_up_rows.view(up.shape)
-    launch(
-        _gated_backward_kernel,
-        _grid(n_rows, n_cols),
-        (*rows, rows[0] if out is None else out, n_cols, *strides, gate_multiplier, down_multiplier),
-        ACTIVATION_AND_GRAD=activation.triton_value_and_grad,
-        STORE_OUT=out is not None,
-        ONE_ROW=n_rows == 1,
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
-    )
+    plan = _plan(activation.triton_value_and_grad, out is not None, n_rows, n_cols, strides)
+    tensors = (*rows, rows[0] if out is None else out)
+    launch_prepared(_gated_backward_kernel, tensors, plan, (gate_multiplier, down_multiplier))
     return d_gate, d_up
 
 
@@ -530,14 +545,17 @@ torch.library.register_autograd(gated_forward_op, _backward, setup_context=_setu
 
 
 class _EagerGated(torch.autograd.Function):
+    # The options as one argument: autograd's apply inspects every argument in forward, and backward answers
+    # each with a gradient slot.
     @staticmethod
-    def forward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place, own_buffers):
+    def forward(ctx, gate, up, options):
+        activation, gate_multiplier, down_multiplier, in_place, own_buffers = options
         save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place, own_buffers)
         return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
 
     @staticmethod
     def backward(ctx, d_out):
-        return (*backward_from_ctx(ctx, d_out), None, None, None, None, None)
+        return (*backward_from_ctx(ctx, d_out), None)
 
 
 def gated_apply(
@@ -564,7 +582,7 @@ def gated_apply_eager(
         return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):  # inference: no graph to record
         return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
-    return _EagerGated.apply(gate, up, activation, gate_multiplier, down_multiplier, in_place_backward, own_buffers)
+    return _EagerGated.apply(gate, up, (activation, gate_multiplier, down_multiplier, in_place_backward, own_buffers))
 
 
 def gated_mul(a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):

@@ -41,7 +41,8 @@ else:
     DIRECT = False
 
 
-# id(kernel) -> (kernel, {key: (launcher, its flags, function, packed_metadata, constexpr_names, global_checks)}).
+# id(kernel) -> (kernel, {key: (launcher, its flags, function, packed_metadata, constexpr_values, global_checks)}).
+# The constexprs' values are part of the key (by name, type and value), so each entry holds them ready to pass.
 _CACHES = {}
 MAX_ENTRIES = 256  # per kernel; bounded because a key holds each int's class, not its value
 
@@ -104,24 +105,42 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
 
 
 class Prepared:
-    """A call site's fixed part of a launch, for sites that cache a plan per layout (rotary): the grid, the
-    scalar arguments that follow the tensors, and the constexprs. Their share of the key is computed once
-    here instead of on every launch."""
+    """A call site's fixed part of a launch, for sites that cache a plan per layout (rotary, the gated
+    activations): the grid, the scalar arguments that follow the tensors, and the constexprs. Their share of
+    the key is computed once here instead of on every launch, and stands in the key as a token: one object per
+    distinct share, so that a launch hashes and compares it by identity (a key of tuples is hashed anew at
+    every lookup, element by element; for the gated backward's 14 arguments that cost as much host time as the
+    launch itself, benchmarks/NOTES.md §31)."""
 
     __slots__ = ("grid", "scalars", "meta", "key")
 
     def __init__(self, grid: tuple, scalars: tuple, **meta):
         self.grid, self.scalars, self.meta = grid, tuple(scalars), meta
         try:
-            self.key = (Prepared, *meta.items(), *map(type, meta.values()), *argument_keys(self.scalars))
-            hash(self.key)
+            share = (*meta.items(), *map(type, meta.values()), *argument_keys(self.scalars))
+            if len(_TOKENS) >= MAX_TOKENS:
+                _TOKENS.clear()  # later shares get new tokens: the kernel caches then miss once per share
+            self.key = _TOKENS.setdefault(share, _Token())
         except (_Unrecognized, TypeError):  # never direct, as in ``launch``
             self.key = None
 
 
-def launch_prepared(kernel, tensors: tuple, prepared: Prepared) -> None:
-    """``launch(kernel, prepared.grid, (*tensors, *prepared.scalars), **prepared.meta)``."""
-    _launch(kernel, prepared.grid, (*tensors, *prepared.scalars), prepared.meta, prepared.key, tensors)
+class _Token:
+    """A ``Prepared`` share's place in the launch key (hashed and compared by identity)."""
+
+    __slots__ = ()
+
+
+_TOKENS = {}  # a Prepared share -> its token
+MAX_TOKENS = 4096
+
+
+def launch_prepared(kernel, tensors: tuple, prepared: Prepared, trailing: tuple = ()) -> None:
+    """``launch(kernel, prepared.grid, (*tensors, *prepared.scalars, *trailing), **prepared.meta)``. ``trailing``:
+    arguments after the plan's scalars that change from call to call (the gated ops' multipliers), keyed at
+    each launch as the tensors are, so that a plan never stands for their values."""
+    keyed = (*tensors, *trailing) if trailing else tensors
+    _launch(kernel, prepared.grid, (*tensors, *prepared.scalars, *trailing), prepared.meta, prepared.key, keyed)
 
 
 def _launch(kernel, grid, args, meta, fixed_key, keyed_args) -> None:
@@ -133,7 +152,8 @@ def _launch(kernel, grid, args, meta, fixed_key, keyed_args) -> None:
         return
     device = first.get_device()
     module = torch.cuda if first.is_cuda else torch.xpu
-    if device != module.current_device():
+    # torch.cuda.current_device() without its lazy-initialization check: a CUDA tensor exists, so CUDA is set up
+    if device != (torch._C._cuda_getDevice() if first.is_cuda else module.current_device()):
         with module.device(device):
             return _launch(kernel, grid, args, meta, fixed_key, keyed_args)
     if (
@@ -160,7 +180,7 @@ def _launch(kernel, grid, args, meta, fixed_key, keyed_args) -> None:
         except (_Unrecognized, TypeError):  # an argument the key does not cover, or an unhashable constexpr
             key = compiled = None
         if compiled is not None and (not compiled[5] or _globals_unchanged(compiled[5])):
-            run, flags, function, metadata, names, _ = compiled
+            run, flags, function, metadata, constexprs, _ = compiled
             run(
                 grid[0],
                 grid[1] if len(grid) > 1 else 1,
@@ -173,7 +193,7 @@ def _launch(kernel, grid, args, meta, fixed_key, keyed_args) -> None:
                 None,
                 None,
                 *args,
-                *[meta[name] for name in names],
+                *constexprs,
             )
             return
         compiled = kernel[grid](*args, **meta)
@@ -213,6 +233,7 @@ def _remember(kernel, key, compiled, n_args: int, meta: dict) -> None:
         entry[1].clear()
     checks = tuple((namespace, name, value) for (name, _), (value, namespace) in kernel.used_global_vals.items())
     try:
-        entry[1][key] = (*_launcher(compiled.run), compiled.function, compiled.packed_metadata, tuple(names), checks)
+        constexprs = tuple(meta[name] for name in names)
+        entry[1][key] = (*_launcher(compiled.run), compiled.function, compiled.packed_metadata, constexprs, checks)
     except TypeError:  # an unhashable constexpr: this launch keeps kernel[grid]
         pass
