@@ -293,7 +293,8 @@ def test_a_cpu_tensor_among_gpu_arguments_is_refused_at_every_launch(lk):
     args = (gate, up, out, 4096, 0, 0, 0, 1.0, 1.0)
     lk._launch.launch(kernel, (2,), args, **meta)  # compiled, and cached for GPU tensors
     assert rel_err(out, torch.nn.functional.silu(gate.double()) * up.double()) < 1e-2
-    for _ in range(2):  # the second time too: nothing was cached for the CPU tensor
+    assert lk._launch._CACHES[id(kernel)][1], "the direct path was not taken"
+    for _ in range(2):  # each call reaches the cached kernel, whose launcher refuses the host pointer
         with pytest.raises(ValueError, match="cpu tensor"):
             lk._launch.launch(kernel, (2,), (gate, up.cpu(), *args[2:]), **meta)
 
@@ -306,3 +307,18 @@ def test_a_prepared_share_has_one_token_and_only_equal_shares_share_it(lk):
     assert prepared((1,), (3,), X=1).key is prepared((2,), (5,), X=1).key
     keys = [prepared((1,), (3,), X=value).key for value in (1, True, 1.0, 2)] + [prepared((1,), (16,), X=1).key]
     assert len({id(key) for key in keys}) == len(keys)
+
+
+def test_a_prepared_launch_keys_which_parameter_each_argument_is(lk, monkeypatch):
+    """A plan's scalars sit between the tensors and the trailing arguments: the same plan with the same
+    arguments split otherwise passes them to other parameters, and is keyed apart."""
+    keys = []
+
+    def keyed(kernel, grid, args, meta, fixed_key, keyed_args):
+        keys.append((*fixed_key, *lk._launch.argument_keys(keyed_args)))  # what _launch's key holds
+
+    monkeypatch.setattr(lk._launch, "_launch", keyed)
+    plan, t = lk._launch.Prepared((1,), (3,), BLOCK=64), torch.empty(64)
+    lk._launch.launch_prepared(_scale_kernel, (t, 16), plan, (7,))  # arguments (t, 16, 3, 7)
+    lk._launch.launch_prepared(_scale_kernel, (t,), plan, (16, 7))  # arguments (t, 3, 16, 7)
+    assert keys[0] != keys[1]

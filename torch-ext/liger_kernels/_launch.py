@@ -140,12 +140,15 @@ def launch_prepared(kernel, tensors: tuple, prepared: Prepared, trailing: tuple 
     arguments after the plan's scalars that change from call to call (the gated ops' multipliers), keyed at
     each launch as the tensors are, so that a plan never stands for their values."""
     keyed = (*tensors, *trailing) if trailing else tensors
-    _launch(kernel, prepared.grid, (*tensors, *prepared.scalars, *trailing), prepared.meta, prepared.key, keyed)
+    # The tensors' count is keyed too: with the plan's scalars between the two groups, it says which parameter
+    # each keyed argument is.
+    fixed = None if prepared.key is None else (prepared.key, len(tensors))
+    _launch(kernel, prepared.grid, (*tensors, *prepared.scalars, *trailing), prepared.meta, fixed, keyed)
 
 
 def _launch(kernel, grid, args, meta, fixed_key, keyed_args) -> None:
-    """The launch itself. ``fixed_key``, when given, stands for the key of every argument after
-    ``keyed_args`` and of ``meta`` (a ``Prepared``'s)."""
+    """The launch itself. ``fixed_key``, when given (a ``Prepared``'s), is a tuple that stands for the key of
+    every argument but ``keyed_args`` and of ``meta``."""
     first = args[0]
     if not (first.is_cuda or first.is_xpu):  # the interpreter's CPU tensors
         kernel[grid](*args, **meta)
@@ -168,7 +171,7 @@ def _launch(kernel, grid, args, meta, fixed_key, keyed_args) -> None:
         try:
             head = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
             if fixed_key is not None:
-                key = (*head, fixed_key, *argument_keys(keyed_args))
+                key = (*head, *fixed_key, *argument_keys(keyed_args))
             else:
                 key = (
                     *head,
