@@ -281,7 +281,7 @@ def test_tensors_on_another_gpu_run_there(lk):
 
 
 @pytest.mark.gpu
-def test_a_cpu_tensor_among_gpu_arguments_is_refused_at_every_launch(lk):
+def test_a_cpu_tensor_among_gpu_arguments_is_refused_at_every_launch(lk, monkeypatch):
     """A CPU tensor among a kernel's GPU arguments is refused, and not only on the first launch: its key equals an
     aligned GPU tensor's (dtype and alignment), so the second call reaches the cached kernel, whose launcher is
     handed the tensors themselves and asks the driver for each pointer, which refuses a host address. (Passing
@@ -291,6 +291,7 @@ def test_a_cpu_tensor_among_gpu_arguments_is_refused_at_every_launch(lk):
     out = torch.full_like(gate, float("nan"))
     meta = dict(ACTIVATION=lk.activations.REGISTRY["silu"].triton_value, ONE_ROW=True, BLOCK=2048, num_warps=4)
     args = (gate, up, out, 4096, 0, 0, 0, 1.0, 1.0)
+    monkeypatch.setattr(lk._launch, "_CACHES", {})  # so that the entry below is this launch's
     lk._launch.launch(kernel, (2,), args, **meta)  # compiled, and cached for GPU tensors
     assert rel_err(out, torch.nn.functional.silu(gate.double()) * up.double()) < 1e-2
     assert lk._launch._CACHES[id(kernel)][1], "the direct path was not taken"
