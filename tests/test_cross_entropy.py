@@ -111,6 +111,23 @@ def test_z_loss_feeds_the_loss_in_the_graph(lk, reduction, backend_name):
     assert rel_err(logits.grad, want) <= FP32_BOUND
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("case", CASES)
+def test_the_loss_alone_is_the_sum_the_graph_would_make(lk, case, reduction, backend_name):
+    """Without ``return_z_loss`` the node hands out the loss itself instead of its two parts for an addition:
+    the same bits as the loss made by that addition (``return_z_loss=True``), and the same gradient for any
+    incoming one."""
+    logits, target, ce_weight, options = logits_and_options(case)
+    call = lk.cross_entropy.cross_entropy
+    alone = call(logits, target, ce_weight, reduction=reduction, **options)
+    both = call(logits, target, ce_weight, reduction=reduction, return_z_loss=True, **options)
+    assert torch.equal(alone, both.loss)
+    d_loss = incoming(alone, 3)
+    (got,) = torch.autograd.grad(alone, logits, d_loss)
+    (want,) = torch.autograd.grad(both.loss, logits, d_loss)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("rows", [1, 1024, 2500])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class_weights"])

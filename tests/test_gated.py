@@ -437,6 +437,43 @@ def test_torch_func_transforms(lk, op, backend_name):
         assert rel_err(g, w) < bound
 
 
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_plain_tensors_inside_a_transform_take_gradients(lk, op, backend_name):
+    """Under an active torch.func transform an op on plain tensors that take gradients (parameters the
+    transformed function closes over) is exact and differentiable by ordinary autograd; PyTorch's apply of the
+    eager Function would raise there, so the functional forms and layers run the composite."""
+    dtype = torch.float64 if backend_name == "torch" else torch.float32
+    apply, reference = OPS[op]
+    a, b, _ = make_pair((4, 6), dtype)
+    x = torch.randn(3, 4, 6, dtype=dtype)
+    out = torch.func.vmap(lambda row: apply(lk, a, b) * row)(x)
+    want = reference(a.double(), b.double()) * x.double()
+    bound = 1e-12 if dtype == torch.float64 else 1e-5
+    assert rel_err(out, want) < bound
+    got = torch.autograd.grad(out.sum(), (a, b))
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    expected = torch.autograd.grad((reference(a64, b64) * x.double()).sum(), (a64, b64))
+    for g, w in zip(got, expected):
+        assert rel_err(g, w) < bound
+
+
+def test_the_functional_forms_unwrap_dead_functorch_wrappers(lk):
+    """A dead torch.func wrapper (a tensor made inside a finished transform) reaching ``silu_mul`` gets the
+    composite, so the gradient reaches what it was computed from, as PyTorch's apply would unwrap it."""
+    x0, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    escaped = []
+
+    def f(x):
+        y = x * 2
+        escaped.append(y)
+        return lk.silu_mul(y, b).sum()
+
+    torch.func.grad(f)(x0)
+    (got,) = torch.autograd.grad(lk.silu_mul(escaped[0], b).sum(), x0, allow_unused=True)
+    (want,) = torch.autograd.grad(lk.silu_mul(x0 * 2, b).sum(), x0)
+    assert got is not None and rel_err(got, want) < 1e-6
+
+
 def test_in_place_backward_refuses_self_overlapping_buffers(lk, backend_name):
     """Expanded (stride-0) views of a non-leaf: several elements share one memory location, so gradients go to
     fresh tensors."""

@@ -7,6 +7,7 @@ graph capture, and with a launch hook registered.
 """
 
 import itertools
+import random
 import re
 from pathlib import Path
 
@@ -310,16 +311,39 @@ def test_a_prepared_share_has_one_token_and_only_equal_shares_share_it(lk):
     assert len({id(key) for key in keys}) == len(keys)
 
 
-def test_a_prepared_launch_keys_which_parameter_each_argument_is(lk, monkeypatch):
+def test_a_prepared_launch_keys_which_parameter_each_argument_is(lk):
     """A plan's scalars sit between the tensors and the trailing arguments: the same plan with the same
     arguments split otherwise passes them to other parameters, and is keyed apart."""
-    keys = []
-
-    def keyed(kernel, grid, args, meta, fixed_key, keyed_args):
-        keys.append((*fixed_key, *lk._launch.argument_keys(keyed_args)))  # what _launch's key holds
-
-    monkeypatch.setattr(lk._launch, "_launch", keyed)
     plan, t = lk._launch.Prepared((1,), (3,), BLOCK=64), torch.empty(64)
-    lk._launch.launch_prepared(_scale_kernel, (t, 16), plan, (7,))  # arguments (t, 16, 3, 7)
-    lk._launch.launch_prepared(_scale_kernel, (t,), plan, (16, 7))  # arguments (t, 3, 16, 7)
-    assert keys[0] != keys[1]
+    key = lk._launch._prepared_key
+    assert key(plan.key, (t, 16), (7,)) != key(plan.key, (t,), (16, 7))  # arguments (t, 16, 3, 7), (t, 3, 16, 7)
+    assert key(plan.key, (t, t), ()) != key(plan.key, (t,), (t,))  # both forms: aligned, and per argument
+
+
+class _Shifted(torch.Tensor):
+    """A tensor whose data_ptr (which Triton calls) is not its storage's: 4 bytes on."""
+
+    def data_ptr(self):
+        return super().data_ptr() + 4
+
+
+def test_a_prepared_key_determines_tritons_specialization(lk):
+    """A prepared launch's key (aligned tensors as a marker and their dtypes, anything else argument by
+    argument) maps to one specialization of the arguments it keys, whatever the split between tensors and
+    trailing arguments; both forms are reached."""
+    tensors = [v for v in _values() if isinstance(v, torch.Tensor)]
+    tensors += [torch.Tensor._make_subclass(_Shifted, t) for t in tensors[:12]]
+    tensors += [torch.nn.Parameter(t, requires_grad=False) for t in tensors[:12]]
+    scalars = [v for v in _values() if not isinstance(v, torch.Tensor)]
+    token, seen, aligned_form = object(), {}, 0
+    rng = random.Random(0)
+    for _ in range(4000):
+        group = tuple(
+            rng.choice(tensors) if rng.random() < 0.9 else rng.choice(scalars) for _ in range(rng.randint(1, 4))
+        )
+        trailing = tuple(rng.choice(scalars if rng.random() < 0.8 else tensors) for _ in range(rng.randint(0, 2)))
+        key = lk._launch._prepared_key(token, group, trailing)
+        aligned_form += lk._launch._ALIGNED in key
+        spec = (len(group), tuple(_triton_spec(v) for v in (*group, *trailing)))
+        assert seen.setdefault(key, spec) == spec, f"{group}, {trailing}: key also covers {seen[key]}, not {spec}"
+    assert 100 < aligned_form < 3900

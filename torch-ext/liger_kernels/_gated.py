@@ -22,9 +22,22 @@ from .activations import REGISTRY, GatedActivation
 # Validation: every check runs before any launch.
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # float8 has no math here
+_Tensor = torch.Tensor
 
 
 def check_pair(a, b, op: str) -> None:
+    # The common case in one expression (what the checks below accept, for plain tensors): an eager call's
+    # host time matters as much as its kernel's.
+    if (
+        type(a) is _Tensor
+        and type(b) is _Tensor
+        and a.dtype is b.dtype
+        and a.dtype in SUPPORTED_DTYPES
+        and a.shape == b.shape
+        and a.dim()
+        and a.device == b.device
+    ):
+        return
     for arg, value in (("a", a), ("b", b)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{op}: `{arg}` must be a torch.Tensor, got {type(value).__name__}")
@@ -148,6 +161,9 @@ def _gated_backward_kernel(
         tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_CONTIGUOUS = (0,) * 6  # the row strides of contiguous tensors, which the kernels never read
+
+
 def _as_rows(tensors):
     """Same-shaped tensors as rows: ``(tensors, n_rows, n_cols, row strides)``. Contiguous tensors are one long
     row and are passed as they are (the kernels never read their row stride); the others are viewed as
@@ -156,7 +172,7 @@ def _as_rows(tensors):
         if not t.is_contiguous():
             break
     else:
-        return tensors, 1, tensors[0].numel(), [0] * len(tensors)
+        return tensors, 1, tensors[0].numel(), _CONTIGUOUS[: len(tensors)]
     n_cols = tensors[0].shape[-1]
     rows = []
     for t in tensors:
@@ -279,8 +295,7 @@ def gated_backward(
     if use_triton(gate):
         if d_out.dtype != gate.dtype:
             d_out = d_out.to(gate.dtype)
-        if d_out.stride(-1) != 1:
-            d_out = d_out.contiguous()
+        # (a d_out whose last dimension is strided, an expanded one included, is copied by _as_rows)
         d_gate, d_up = _backward_triton(d_out, gate, up, activation, gate_multiplier, down_multiplier, in_place)
     else:
         d_gate, d_up = _backward_torch(d_out, gate, up, activation, gate_multiplier, down_multiplier)
@@ -349,14 +364,13 @@ def bind_cheaply(function_class):
     parameters = tuple(signature.parameters.values())
     names = tuple(p.name for p in parameters)
     defaults = tuple(p.default for p in parameters if p.default is not p.empty)
-    unwrap_dead = getattr(getattr(torch, "_functorch", None), "utils", None)
-    unwrap_dead = getattr(unwrap_dead, "unwrap_dead_wrappers", None)
-    if unwrap_dead is None or any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in parameters):
+    parts = _apply_parts()
+    if parts is None or any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in parameters):
         return function_class  # a PyTorch whose apply differs, or a signature the fast binding does not cover
-    torch_apply = torch.autograd.Function.apply.__func__
+    torch_apply, unwrap_dead, c_apply = parts
     # The C++ apply that PyTorch's reaches through super(), bound to this class once: a subclass takes
     # PyTorch's apply. (A frame that dynamo compiles after a graph break cannot resolve that super().)
-    c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function_class)
+    c_apply = c_apply.__get__(None, function_class)
     n_parameters, n_required = len(parameters), len(parameters) - len(defaults)
 
     def apply(cls, *args, **kwargs):
@@ -382,6 +396,15 @@ def bind_cheaply(function_class):
     apply.__qualname__ = f"{function_class.__qualname__}.apply"
     function_class.apply = classmethod(apply)
     return function_class
+
+
+def _apply_parts():
+    """(PyTorch's ``Function.apply``, the unwrapping of dead torch.func wrappers it does first, the C++ apply it
+    ends in), or None where this PyTorch's apply is not made of those."""
+    torch_apply = getattr(torch.autograd.Function.apply, "__func__", None)
+    unwrap_dead = getattr(getattr(getattr(torch, "_functorch", None), "utils", None), "unwrap_dead_wrappers", None)
+    c_apply = torch._C._FunctionBase.__dict__.get("apply")
+    return None if None in (torch_apply, unwrap_dead, c_apply) else (torch_apply, unwrap_dead, c_apply)
 
 
 def with_defaults(inputs: tuple, defaults: tuple) -> tuple:
@@ -431,12 +454,36 @@ def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplie
 
 def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     gate, up = ctx.saved_tensors
-    args = (ctx.activation, ctx.gate_multiplier, ctx.down_multiplier)
-    if torch.is_grad_enabled() or _backend.exporting() or transforms_active(d_out, gate, up):
-        d_gate, d_up = _backward_torch(d_out, gate, up, *args, differentiable=torch.is_grad_enabled())
+    # The common case in one frame: what gated_backward and _backward_triton do for contiguous tensors of one
+    # shape and dtype on the Triton path, without their layers of calls (on the H200 machine's host a Python
+    # call costs about half a µs, and those layers were a fifth of a node's host time: NOTES.md §32). Anything
+    # else takes them.
+    if (
+        d_out.is_contiguous()
+        and gate.is_contiguous()
+        and up.is_contiguous()
+        and d_out.dtype is gate.dtype
+        and d_out.shape == gate.shape
+        and gate.numel()
+        and not (torch.is_grad_enabled() or _backend.exporting() or transforms_active(d_out, gate, up))
+        and use_triton(gate)
+    ):
+        in_place = ctx.in_place and not graph_is_retained()
+        d_gate, d_up = (gate, up) if in_place else (_backend.new_like(gate), _backend.new_like(up))
+        plan = _plan(ctx.activation.triton_value_and_grad, False, 1, gate.numel(), _CONTIGUOUS[:5])
+        tensors = (d_out, gate, up, d_gate, d_up, d_out)
+        launch_prepared(_gated_backward_kernel, tensors, plan, (ctx.gate_multiplier, ctx.down_multiplier))
+        if in_place:  # as gated_backward: anything that still held gate or up for autograd now raises
+            torch.autograd.graph.increment_version(gate)
+            torch.autograd.graph.increment_version(up)
     else:
-        d_gate, d_up = gated_backward(d_out, gate, up, *args, ctx.in_place and not graph_is_retained())
-    return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None)
+        args = (ctx.activation, ctx.gate_multiplier, ctx.down_multiplier)
+        if torch.is_grad_enabled() or _backend.exporting() or transforms_active(d_out, gate, up):
+            d_gate, d_up = _backward_torch(d_out, gate, up, *args, differentiable=torch.is_grad_enabled())
+        else:
+            d_gate, d_up = gated_backward(d_out, gate, up, *args, ctx.in_place and not graph_is_retained())
+    needs = ctx.needs_input_grad
+    return (d_gate if needs[0] else None), (d_up if needs[1] else None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -558,6 +605,20 @@ class _EagerGated(torch.autograd.Function):
         return (*backward_from_ctx(ctx, d_out), None)
 
 
+def _c_apply(function_class):
+    """``function_class.apply`` past PyTorch's Python part, which for a Function without ``setup_context``, called
+    with no torch.func transform active, only unwraps the arguments' dead torch.func wrappers and then calls
+    the C++ apply (about 3 µs per call on this project's development machine, a tenth of an eager call). Its
+    callers rule out transforms and wrapped tensors first. PyTorch's apply where this PyTorch's differs."""
+    parts = _apply_parts()
+    if parts is None or function_class.apply.__func__ is not parts[0]:
+        return function_class.apply
+    return parts[2].__get__(None, function_class)
+
+
+_eager_gated = _c_apply(_EagerGated)
+
+
 def gated_apply(
     gate, up, activation: GatedActivation, gate_multiplier, down_multiplier, in_place_backward, own_buffers=False
 ):
@@ -577,12 +638,22 @@ def gated_apply(
 def gated_apply_eager(
     gate, up, activation: GatedActivation, gate_multiplier, down_multiplier, in_place_backward, own_buffers=False
 ):
-    """:func:`gated_apply` for a caller that has found the call eager: neither compiled nor exported."""
-    if _backend.forward_ad_active() or is_functorch_wrapped(gate) or is_functorch_wrapped(up):
+    """:func:`gated_apply` for a caller that has found the call eager: neither compiled nor exported. Under a
+    torch.func transform the composite runs for plain tensors too: PyTorch's apply would refuse a Function
+    without ``setup_context`` there."""
+    if (
+        _backend.forward_ad_active()
+        or _are_transforms_active()
+        or is_functorch_wrapped(gate)  # (dead wrappers too, which PyTorch's apply would unwrap)
+        or is_functorch_wrapped(up)
+    ):
         return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):  # inference: no graph to record
         return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
-    return _EagerGated.apply(gate, up, (activation, gate_multiplier, down_multiplier, in_place_backward, own_buffers))
+    return _eager_gated(gate, up, (activation, gate_multiplier, down_multiplier, in_place_backward, own_buffers))
+
+
+_are_transforms_active = torch._C._are_functorch_transforms_active
 
 
 def gated_mul(a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):

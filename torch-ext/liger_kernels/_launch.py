@@ -23,6 +23,9 @@ direct launch is taken only where its calling convention was verified, Triton 3.
 else (ROCm, XPU, the interpreter), and for any argument it does not recognize, ``kernel[grid]`` runs.
 """
 
+from functools import reduce
+from operator import attrgetter, or_
+
 import torch
 
 from ._backend import HAS_TRITON, triton, triton_interpreted
@@ -81,14 +84,6 @@ class _Unrecognized(Exception):
 _MISSING = object()
 
 
-def _hooks_registered(kernel) -> bool:
-    runtime = knobs.runtime
-    for chain in (runtime.launch_enter_hook, runtime.launch_exit_hook):
-        if type(chain) is not HookChain or chain.calls:
-            return True
-    return bool(kernel.pre_run_hooks)
-
-
 def _globals_unchanged(checks) -> bool:
     """Triton's own check before each launch: a global the kernel read has the value it was compiled with."""
     return all(namespace.get(name, _MISSING) == value for namespace, name, value in checks)
@@ -139,39 +134,73 @@ def launch_prepared(kernel, tensors: tuple, prepared: Prepared, trailing: tuple 
     """``launch(kernel, prepared.grid, (*tensors, *prepared.scalars, *trailing), **prepared.meta)``. ``trailing``:
     arguments after the plan's scalars that change from call to call (the gated ops' multipliers), keyed at
     each launch as the tensors are, so that a plan never stands for their values."""
-    keyed = (*tensors, *trailing) if trailing else tensors
-    # The tensors' count is keyed too: with the plan's scalars between the two groups, it says which parameter
-    # each keyed argument is.
-    fixed = None if prepared.key is None else (prepared.key, len(tensors))
-    _launch(kernel, prepared.grid, (*tensors, *prepared.scalars, *trailing), prepared.meta, fixed, keyed)
+    args = (*tensors, *prepared.scalars, *trailing) if trailing else (*tensors, *prepared.scalars)
+    _launch(kernel, prepared.grid, args, prepared.meta, prepared, tensors, trailing)
 
 
-def _launch(kernel, grid, args, meta, fixed_key, keyed_args) -> None:
-    """The launch itself. ``fixed_key``, when given (a ``Prepared``'s), is a tuple that stands for the key of
-    every argument but ``keyed_args`` and of ``meta``."""
+_data_ptr = torch.Tensor.data_ptr
+_BASE_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+_dtype = attrgetter("dtype")
+_ALIGNED = _Token()  # in a prepared key: every tensor's address is a multiple of 16, and the dtypes follow
+
+
+def _prepared_key(token, tensors, trailing) -> tuple:
+    """A prepared launch's key past its head: the plan's token, then what Triton specializes on in the tensors and
+    the trailing arguments, with the plan's scalars between the two groups, so that the key says which
+    parameter each keyed argument is. Where every tensor is 16-byte aligned, the common case, that is the
+    marker ``_ALIGNED`` and each tensor's dtype, the same facts as ``argument_keys``' per-tensor (dtype, True),
+    found by C-level maps instead of a Python expression per tensor (NOTES.md §32); the marker, never equal to
+    an argument's key, keeps the two forms apart. Otherwise the tensors' count and each argument's key. Floats,
+    bools and None are keyed by class, as ``argument_keys`` does."""
+    # (only tensors whose data_ptr is TensorBase's: a subclass may override the method Triton calls)
+    aligned = (
+        tensors and _BASE_TENSOR_TYPES.issuperset(map(type, tensors)) and not reduce(or_, map(_data_ptr, tensors)) & 15
+    )
+    if not aligned:  # each argument keyed apart
+        return (token, len(tensors), *argument_keys(tensors), *argument_keys(trailing))
+    classes = tuple(map(type, trailing))
+    if not _PLAIN_CLASSES.issuperset(classes):  # an int (keyed by its value's class) or another type
+        classes = argument_keys(trailing)
+    # (no count needed here: a trailing argument's key is never a bare dtype)
+    return (token, _ALIGNED, *map(_dtype, tensors), *classes)
+
+
+_PLAIN_CLASSES = frozenset(_PLAIN)
+
+
+def _launch(kernel, grid, args, meta, prepared=None, tensors=(), trailing=()) -> None:
+    """The launch itself. ``prepared``, when given, a ``Prepared`` whose token stands for the key of ``meta`` and
+    of every argument but ``tensors`` (the first arguments) and ``trailing`` (the last)."""
     first = args[0]
-    if not (first.is_cuda or first.is_xpu):  # the interpreter's CPU tensors
-        kernel[grid](*args, **meta)
+    if not first.is_cuda:
+        if first.is_xpu and first.get_device() != torch.xpu.current_device():
+            with torch.xpu.device(first.get_device()):
+                return _launch(kernel, grid, args, meta, prepared, tensors, trailing)
+        kernel[grid](*args, **meta)  # XPU, or the interpreter's CPU tensors
         return
     device = first.get_device()
-    module = torch.cuda if first.is_cuda else torch.xpu
     # torch.cuda.current_device() without its lazy-initialization check: a CUDA tensor exists, so CUDA is set up
-    if device != (torch._C._cuda_getDevice() if first.is_cuda else module.current_device()):
-        with module.device(device):
-            return _launch(kernel, grid, args, meta, fixed_key, keyed_args)
+    if device != torch._C._cuda_getDevice():
+        with torch.cuda.device(device):
+            return _launch(kernel, grid, args, meta, prepared, tensors, trailing)
+    runtime = knobs.runtime if DIRECT else None
     if (
         DIRECT
-        and first.is_cuda
         and type(kernel) is JITFunction
         and type(grid) is tuple
-        and not _hooks_registered(kernel)
+        # no launch hook (profilers such as proton register them) and no pre-run hook: Triton's path runs them
+        and type(runtime.launch_enter_hook) is HookChain
+        and not runtime.launch_enter_hook.calls
+        and type(runtime.launch_exit_hook) is HookChain
+        and not runtime.launch_exit_hook.calls
+        and not kernel.pre_run_hooks
     ):
         entry = _CACHES.get(id(kernel))
         cache = entry[1] if entry is not None and entry[0] is kernel else None
         try:
-            head = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
-            if fixed_key is not None:
-                key = (*head, *fixed_key, *argument_keys(keyed_args))
+            head = (device, runtime.debug, knobs.compilation.instrumentation_mode)
+            if prepared is not None and prepared.key is not None:
+                key = (*head, *_prepared_key(prepared.key, tensors, trailing))
             else:
                 key = (
                     *head,

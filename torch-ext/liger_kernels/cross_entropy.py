@@ -88,6 +88,17 @@ def check_target(target, rows_shape, n_classes: int, ignore_index: int, op: str)
 
 
 def check_options(op: str, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling):
+    if (  # the common case in one expression (what the checks below accept, for Python's own int and floats)
+        type(ignore_index) is int
+        and type(lse_square_scale) is float
+        and type(label_smoothing) is float
+        and softcap is None
+        and type(use_token_scaling) is bool
+        and reduction in REDUCTIONS
+        and 0.0 <= label_smoothing <= 1.0  # (NaN and inf fail here)
+        and -math.inf < lse_square_scale < math.inf
+    ):
+        return Options(ignore_index, lse_square_scale, label_smoothing, reduction, None, use_token_scaling)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"{op}: `ignore_index` must be an int, got {type(ignore_index).__name__}")
     for arg, value in (("lse_square_scale", lse_square_scale), ("label_smoothing", label_smoothing)):
@@ -796,26 +807,36 @@ class _EagerReduced(torch.autograd.Function):
     ("sum": W = C = 1); the caller adds the first two into the loss, so that z_loss stays upstream of the loss
     in the graph, as with the reduction in autograd ops. Backward needs only the rows' scales, d ce = d_ce_part
     / W and d z = d_z_loss / C (what autograd would hand the rows through the reduction's own nodes, which
-    cost the host about ten aten ops more per backward), and one pass of the gradient kernel."""
+    cost the host about ten aten ops more per backward), and one pass of the gradient kernel.
+
+    ``loss_out``: where the caller does not hand z_loss out (``return_z_loss=False``), nothing can tell whether
+    z_loss is upstream of the loss in the graph, so the node's first output is the loss itself (the reduction
+    kernel's sum of the two, or their sum here), and the caller's addition, an aten op in forward and a node in
+    backward, goes (NOTES.md §32). Backward then hands the loss's gradient to both parts, as that addition's
+    node would."""
 
     @staticmethod
-    def forward(ctx, logits, target, ce_weight, opts, want_pred, want_accuracy):
+    def forward(ctx, logits, target, ce_weight, opts, want_pred, want_accuracy, loss_out=False):
         lse, ce, z, pred = _rows_forward(logits, target, ce_weight, opts, want_pred)
         divisors = denominators(target, ce_weight, opts, ce)[:2] if opts.reduction == "mean" else ()
-        ce_part, z_loss, accuracy, _ = reduced_parts(
+        ce_part, z_loss, accuracy, loss = reduced_parts(
             ce, z, pred, target, ce_weight, opts, want_accuracy, divisors=divisors or None
         )
         # Without class weights both divisors are the count: saved once, divided by once.
         ctx.save_for_backward(logits, target, ce_weight, lse, *divisors[ce_weight is None :])
-        ctx.opts = opts
+        ctx.opts, ctx.loss_out = opts, loss_out
         ctx.mark_non_differentiable(*[t for t in (accuracy, pred) if t is not None])
         ctx.set_materialize_grads(False)
+        if loss_out:
+            return (ce_part + z_loss if loss is None else loss), z_loss, accuracy, pred
         return ce_part, z_loss, accuracy, pred
 
     @staticmethod
     def backward(ctx, d_ce_part, d_z_loss, d_accuracy, d_pred):
         if torch.is_grad_enabled():
             raise RuntimeError(f"{OP}: double backward (create_graph=True) is not supported")
+        if ctx.loss_out:  # the first output is the loss, the second never handed out: both parts get the loss's
+            d_z_loss = d_ce_part
         logits, target, ce_weight, lse, *divisors = ctx.saved_tensors
         like = d_ce_part if d_ce_part is not None else d_z_loss
         if d_z_loss is None:
@@ -830,7 +851,7 @@ class _EagerReduced(torch.autograd.Function):
             d_ce = d_ce_part / divisors[0] if divisors else d_ce_part
         total = class_weight_total(ce_weight)
         d_logits = row_grad(logits, target, ce_weight, total, lse, d_ce.to(lse.dtype), d_z.to(lse.dtype), ctx.opts)
-        return d_logits, None, None, None, None, None
+        return d_logits, None, None, None, None, None, None
 
 
 # torch.compile: the same node as a torch.library op with autograd and fake implementations.
@@ -1001,10 +1022,10 @@ def cross_entropy(
     flat_target = (target if target.dim() == 1 else target.reshape(-1)).to(torch.int64).contiguous()
     route = _route(rows)
     if route == EAGER and opts.reduction != "none":
-        ce_part, z_loss, accuracy, pred = _EagerReduced.apply(
-            rows, flat_target, ce_weight, opts, flags[1] or flags[2], flags[1]
+        first, z_loss, accuracy, pred = _EagerReduced.apply(
+            rows, flat_target, ce_weight, opts, flags[1] or flags[2], flags[1], not flags[0]
         )
-        loss = ce_part + z_loss
+        loss = first if not flags[0] else first + z_loss
     else:
         ce, z, pred = apply_rows(rows, flat_target, ce_weight, opts, flags[1] or flags[2], route)
         loss, z_loss, accuracy = reduce_rows(ce, z, pred, flat_target, ce_weight, opts, flags[1], target.shape)

@@ -15,9 +15,13 @@ OP = "LigerSiLUMulFunction"
 
 def _checked(a, b, gate_multiplier, down_multiplier, in_place_backward):
     _gated.check_pair(a, b, OP)
-    gate_multiplier = _gated.check_multiplier(gate_multiplier, "gate_multiplier", OP)
-    down_multiplier = _gated.check_multiplier(down_multiplier, "down_multiplier", OP)
-    return gate_multiplier, down_multiplier, _gated.check_flag(in_place_backward, "in_place_backward", OP)
+    if type(gate_multiplier) is not float:  # (the checks' own fast case, without their calls)
+        gate_multiplier = _gated.check_multiplier(gate_multiplier, "gate_multiplier", OP)
+    if type(down_multiplier) is not float:
+        down_multiplier = _gated.check_multiplier(down_multiplier, "down_multiplier", OP)
+    if type(in_place_backward) is not bool:
+        _gated.check_flag(in_place_backward, "in_place_backward", OP)
+    return gate_multiplier, down_multiplier, in_place_backward
 
 
 @_gated.bind_cheaply
