@@ -92,28 +92,30 @@ def test_an_eager_call_reads_no_environment_and_allocates_only_its_outputs(lk, n
 # here (benchmarks/NOTES.md §15, §16 have what the work costs on the H200 machine); lower them when work goes
 # away.
 BUDGETS = {  # name: ((Python calls), (aten ops)), each (forward, no_grad forward, backward)
+    # every backward asks whether PyTorch's legacy vmap batched its incoming gradients (autograd.grad(
+    # is_grads_batched=True)): no kernel can read such a tensor (NOTES.md §32); the public Functions' forward too
     # the gated launches' plan key holds id() of the activation's jit function (counted here): on the GPU that
     # function hashes in Python (uncounted here, where the interpreter's hashes by identity; NOTES.md §31)
-    "silu_mul": ((35, 31, 24), (1, 1, 2)),
-    "gelu_mul": ((39, 35, 24), (1, 1, 2)),
+    "silu_mul": ((35, 31, 27), (1, 1, 2)),
+    "gelu_mul": ((39, 35, 27), (1, 1, 2)),
     # its own apply binds the arguments (5 calls counted here) where PyTorch's ran inspect's binding, uncounted
-    "LigerSiLUMulFunction": ((38, 38, 24), (1, 1, 2)),
-    "rms_norm": ((50, 43, 43), (4, 3, 5)),
+    "LigerSiLUMulFunction": ((40, 40, 27), (1, 1, 2)),
+    "rms_norm": ((50, 43, 46), (4, 3, 5)),
     # forward with grad: whether a torch.func transform is active is asked (one call; PyTorch's apply refused the
     # Function under one), then autograd's C++ apply is called directly (NOTES.md §32);
     # no_grad: a decoding-sized call runs the activation and the product as two in-place aten ops instead of the
     # kernel's output allocation and launch (uncounted here, and dearer: benchmarks/NOTES.md §27)
-    "LigerSwiGLUMLP": ((62, 36, 26), (7, 7, 7)),
-    "LigerTiledSwiGLUMLP, one shard": ((138, 112, 26), (7, 7, 7)),
-    "liger_rotary_pos_emb": ((61, 57, 30), (7, 7, 4)),
+    "LigerSwiGLUMLP": ((62, 36, 29), (7, 7, 7)),
+    "LigerTiledSwiGLUMLP, one shard": ((138, 112, 29), (7, 7, 7)),
+    "liger_rotary_pos_emb": ((61, 57, 36), (7, 7, 4)),
     # the losses' reductions are two kernels of the package (more Python calls here) instead of five to nine aten
     # ops ("mean"'s divisors and the sums; 10-40 us each on the H200 machine, benchmarks/NOTES.md §23); the loss
     # is the node's own output where z_loss is not handed out, without an aten addition (NOTES.md §32)
-    "cross_entropy": ((100, 100, 24), (14, 14, 2)),
-    "liger_fused_linear_cross_entropy": ((177, 146, 26), (22, 17, 0)),
-    "LigerFusedLinearCrossEntropyFunction": ((158, 158, 26), (22, 22, 0)),
-    "LigerForCausalLMLoss": ((114, 114, 24), (18, 18, 3)),
-    "LigerForCausalLMLoss, fused": ((194, 163, 26), (26, 21, 1)),
+    "cross_entropy": ((100, 100, 28), (14, 14, 2)),
+    "liger_fused_linear_cross_entropy": ((177, 146, 29), (22, 17, 0)),
+    "LigerFusedLinearCrossEntropyFunction": ((158, 158, 29), (22, 22, 0)),
+    "LigerForCausalLMLoss": ((114, 114, 28), (18, 18, 3)),
+    "LigerForCausalLMLoss, fused": ((194, 163, 29), (26, 21, 1)),
 }
 
 
@@ -449,3 +451,44 @@ def test_forward_ad_through_the_public_functions_raises_pytorchs_error(lk, name)
             with pytest.raises((NotImplementedError, RuntimeError), match="jvp"):
                 call(dual, b)
                 pytest.fail(f"{function} returned under forward-mode AD")
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "op, in_place", [*((op, False) for op in [*OPS_UNDER_TEST, "gelu_mul"]), ("silu_mul", True), ("gelu_mul", True)]
+)
+def test_batched_gradients_are_exact_or_a_clear_error(lk, op, name, in_place):
+    """``autograd.grad(is_grads_batched=True)`` (and ``jacobian(vectorize=True)``) batch the incoming gradients
+    with PyTorch's legacy vmap, whose tensors have no storage for a kernel and are not torch.func's wrappers:
+    the elementwise ops and rotary take their composite backward (exact, also with the in-place backward), the
+    losses raise a RuntimeError that says so."""
+    if name == "triton" and not lk._backend.triton_interpreted():
+        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    torch.manual_seed(0)
+    calls = _op_calls(lk)
+    calls["gelu_mul"] = (lambda a, b: lk.gelu_mul(a, b), calls["silu_mul"][1])
+    if in_place:  # the gated ops' in-place backward, on gate and up made by autograd ops
+        gated = lk.silu_mul if op == "silu_mul" else lk.gelu_mul
+        calls[op] = (lambda a, b: gated(a * 1, b * 1, in_place_backward=True), calls[op][1])
+    fn, inputs = calls[op]
+    leaves = [t.detach().requires_grad_() for t in inputs]
+
+    def outputs(*args):
+        out = fn(*args)
+        return out if isinstance(out, tuple) else (getattr(out, "loss", out),)
+
+    with backend(name):
+        outs = outputs(*leaves)
+        batched = [torch.randn(3, *o.shape) for o in outs]
+        if op in ("cross_entropy", "fused_linear_cross_entropy"):
+            with pytest.raises(RuntimeError, match="batched gradients"):
+                torch.autograd.grad(outs, leaves, batched, is_grads_batched=True)
+            return
+        got = torch.autograd.grad(outs, leaves, batched, is_grads_batched=True)
+    with backend("torch"):  # the reference: one float64 backward per row of the batch
+        wide = [t.detach().double().requires_grad_() for t in leaves]
+        outs64 = outputs(*wide)
+        for row in range(3):
+            want = torch.autograd.grad(outs64, wide, [b[row].double() for b in batched], retain_graph=True)
+            for g, w in zip(got, want):
+                assert rel_err(g[row], w) < 1e-5

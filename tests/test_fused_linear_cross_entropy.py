@@ -571,6 +571,11 @@ def bad_inputs():
         ("ignore_index", lambda f: f(x, w, t, None, None, 1.5), TypeError, "`ignore_index` must be an int"),
         ("label_smoothing", lambda f: f(x, w, t, None, None, -100, 0.0, 1.5), ValueError, "`label_smoothing`"),
         ("lse_square_scale", lambda f: f(x, w, t, None, None, -100, "0"), TypeError, "`lse_square_scale`"),
+        *(  # floats that the options' fast check must not take
+            (f"{value} {arg}", lambda f, args=args: f(x, w, t, None, None, -100, *args), TypeError, f"`{arg}`")
+            for value in (float("inf"), float("-inf"), float("nan"))
+            for arg, args in (("lse_square_scale", (value,)), ("label_smoothing", (0.0, value)))
+        ),
         (
             "reduction",
             lambda f: f(x, w, t, None, None, -100, 0.0, 0.0, "avg"),

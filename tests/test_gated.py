@@ -3,6 +3,7 @@ input, and who may have their buffers overwritten by backward. Every case runs o
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -268,6 +269,46 @@ def test_in_place_backward_writes_into_gate_and_up(lk, op, monkeypatch):
     assert allocations.count == 0, "in-place backward allocated gradient buffers"
     assert d_gate.data_ptr() == gate.data_ptr() and d_up.data_ptr() == up.data_ptr()
     assert torch.equal(d_gate, want[0]) and torch.equal(d_up, want[1])
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+@pytest.mark.parametrize("op", sorted(IN_PLACE_CALLS))
+def test_a_node_that_also_saved_gate_raises_after_the_in_place_backward(lk, op, name):
+    """Another node that saved ``gate`` and runs after the op's backward (``gate * w``, recorded before the op)
+    would read the gradient written over it: the in-place backward bumps gate's and up's versions, so autograd
+    raises its in-place error instead of a wrong gradient."""
+    if name == "triton":
+        require_interpreted_triton()
+    call = IN_PLACE_CALLS[op]
+    a, b, _ = make_pair((4, 64), torch.float32)
+    w = torch.randn(4, 64, requires_grad=True)
+    with backend(name):
+        gate, up = a * 1.0, b * 1.0
+        others = (gate * w).sum() + (up * w).sum()
+        loss = (call(lk, gate, up, True) * w).sum() + others  # (a contiguous incoming gradient, w)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+@pytest.mark.parametrize("multiplier", [2, np.float64(0.5), np.float32(-1.5), True.__class__(1) + 1])
+def test_the_multipliers_reach_the_kernels_as_floats(lk, multiplier, monkeypatch):
+    """An int or a numpy float multiplier is converted before the launch: the kernel is the one a float
+    compiles (an int would be specialized on its value class), with the same result."""
+    require_interpreted_triton()
+    a, b, _ = make_pair((4, 64), torch.float32)
+    seen = []
+    launch = lk._gated.launch_prepared
+    monkeypatch.setattr(
+        lk._gated,
+        "launch_prepared",
+        lambda kernel, tensors, plan, trailing: seen.append(trailing) or launch(kernel, tensors, plan, trailing),
+    )
+    with backend("triton"):
+        out = lk.silu_mul(a, b, multiplier, multiplier)
+        torch.autograd.grad(out.sum(), (a, b))
+        want = lk.silu_mul(a, b, float(multiplier), float(multiplier))
+    assert seen and all(type(value) is float for trailing in seen for value in trailing)
+    assert torch.equal(out, want)
 
 
 def test_in_place_backward_with_a_retained_graph_is_exact(lk):

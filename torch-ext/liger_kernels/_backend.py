@@ -164,6 +164,14 @@ def graph_is_retained() -> bool:
     return True if _keep_graph is None else _keep_graph()
 
 
+def legacy_batched(t) -> bool:
+    """Whether ``t`` is batched by PyTorch's legacy vmap (the incoming gradients of ``autograd.grad(...,
+    is_grads_batched=True)`` and ``jacobian(vectorize=True)``): no storage a kernel could read, and not one of
+    torch.func's wrapped tensors. Never under torch.compile, which batches with torch.func's and whose tracer
+    cannot call this query."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.is_legacy_batchedtensor(t)
+
+
 def forward_ad_active() -> bool:
     """Whether a forward-mode AD dual level is open (``torch.autograd.forward_ad``). The kernels have no JVP, and
     a dual tensor's tangent would not survive them: the ops run their differentiable PyTorch form instead."""

@@ -415,20 +415,24 @@ def with_defaults(inputs: tuple, defaults: tuple) -> tuple:
 
 def transforms_active(*tensors) -> bool:
     """True inside a torch.func transform (vmap, grad, jacrev...), whose wrapped tensors have no storage a
-    Triton kernel could read, or inside a forward-AD dual level (``_backend.forward_ad_active``): the
-    differentiable PyTorch composite runs instead. (A compiled graph handles transforms itself, and the check
-    is opaque to the compiler.)"""
+    Triton kernel could read (nor have the legacy vmap's, ``is_legacy_batched``), or inside a forward-AD dual
+    level (``_backend.forward_ad_active``): the differentiable PyTorch composite runs instead. (A compiled graph
+    handles transforms itself, and the check is opaque to the compiler.)"""
     if _backend.forward_ad_active():  # compiled too: the torch.library ops have no forward-AD rule
         return True
     if torch.compiler.is_compiling():
         return False
     for t in tensors:
-        if is_functorch_wrapped(t):
+        if is_functorch_wrapped(t) or is_legacy_batched(t):
             return True
     return False
 
 
 is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # a tensor of a torch.func transform
+# A gradient batched by PyTorch's legacy vmap (autograd.grad(is_grads_batched=True), jacobian(vectorize=True)),
+# which is_functorch_wrapped does not see: it has no storage either. (Dynamo cannot trace this query: it is asked
+# only where the call is not being compiled.)
+is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 def may_write_over(gate, up) -> bool:

@@ -784,6 +784,20 @@ def _rows_backward(d_ce, d_z, logits, target, ce_weight, lse, opts: Options):
     return row_grad(logits, target, ce_weight, class_weight_total(ce_weight), lse, d_ce, d_z, opts)
 
 
+def refuse_in_backward(*d_outs) -> None:
+    """The eager nodes' backward: a clear error for double backward and for batched gradients
+    (``autograd.grad(is_grads_batched=True)``, ``jacobian(vectorize=True)``: PyTorch's legacy vmap, whose
+    tensors no kernel can read and whose batching the rows' in-place gradient does not support)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{OP}: double backward (create_graph=True) is not supported")
+    for d in d_outs:
+        if d is not None and _backend.legacy_batched(d):
+            raise RuntimeError(
+                f"{OP}: batched gradients (is_grads_batched=True, jacobian(vectorize=True)) are not supported; "
+                "compute one gradient per call"
+            )
+
+
 class _EagerRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ce_weight, opts, want_pred):
@@ -796,8 +810,7 @@ class _EagerRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_ce, d_z, d_pred):
-        if torch.is_grad_enabled():
-            raise RuntimeError(f"{OP}: double backward (create_graph=True) is not supported")
+        refuse_in_backward(d_ce, d_z)
         logits, target, ce_weight, lse = ctx.saved_tensors
         return _rows_backward(d_ce, d_z, logits, target, ce_weight, lse, ctx.opts), None, None, None, None
 
@@ -833,8 +846,7 @@ class _EagerReduced(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_ce_part, d_z_loss, d_accuracy, d_pred):
-        if torch.is_grad_enabled():
-            raise RuntimeError(f"{OP}: double backward (create_graph=True) is not supported")
+        refuse_in_backward(d_ce_part, d_z_loss)
         if ctx.loss_out:  # the first output is the loss, the second never handed out: both parts get the loss's
             d_z_loss = d_ce_part
         logits, target, ce_weight, lse, *divisors = ctx.saved_tensors

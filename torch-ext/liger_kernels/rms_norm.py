@@ -562,7 +562,8 @@ def norm_backward(d_y, x, weight, rstd, eps, offset, llama, needs_x=True, needs_
         return d_x, d_weight
     if d_y.shape != x.shape:  # a broadcast gradient
         d_y = d_y.expand(x.shape)
-    if torch.is_grad_enabled() or _needs_composite(d_y, x):
+    # (and a gradient batched by the legacy vmap of autograd.grad(is_grads_batched=True): no storage either)
+    if torch.is_grad_enabled() or _needs_composite(d_y, x) or _backend.legacy_batched(d_y):
         return _backward_torch(d_y, x, weight, None, eps, offset, llama, needs_x, needs_w)
     if (_use_triton(x, weight) if triton is None else triton) and rstd.dtype == torch.float32:
         return _backward_triton(d_y, x, weight, rstd, offset, llama, needs_x, needs_w)

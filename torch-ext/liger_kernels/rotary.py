@@ -477,7 +477,10 @@ def _composite(q, k, cos, sin):
 def _backward_grads(d_q, d_k, cos, sin, q_dtype, k_dtype, needs_q, needs_k):
     d_q = d_q if needs_q else None
     d_k = d_k if needs_k else None
-    if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
+    # create_graph=True: the gradients must be differentiable themselves; batched gradients (the legacy vmap of
+    # autograd.grad(is_grads_batched=True)) have no storage for a kernel
+    legacy = _backend.legacy_batched
+    if torch.is_grad_enabled() or (d_q is not None and legacy(d_q)) or (d_k is not None and legacy(d_k)):
         return tuple(
             None if d is None else _rotate_composite(d, cos, sin, dtype, transpose=True)
             for d, dtype in ((d_q, q_dtype), (d_k, k_dtype))
