@@ -959,6 +959,26 @@ def test_double_backward_is_a_clear_error(lk):
         torch.autograd.grad(out.sum(), x, create_graph=True)
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["fn", "gated"])
+def test_batched_gradients_are_a_clear_error(lk, gated):
+    """``autograd.grad(is_grads_batched=True)`` batches the incoming gradient with PyTorch's legacy vmap; the
+    shards' gradients are written into one buffer, which such a tensor cannot be: a RuntimeError that says so,
+    instead of one from inside vmap or the kernels."""
+    module = GatedMLP(H, 160)
+    x = torch.randn(2, 64, H, requires_grad=True)
+    if gated:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaMLP
+
+        host = LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=160))
+        host.num_shards = 2
+        out = lk.layers.LigerTiledSwiGLUMLP.forward(host, x)
+    else:
+        out = lk.apply_tiled_mlp(call, module, x, 2)
+    with pytest.raises(RuntimeError, match="does not support batched gradients"):
+        torch.autograd.grad(out, x, torch.randn(3, *out.shape), is_grads_batched=True)
+
+
 def test_a_weight_left_out_of_compute_params_is_an_error(lk):
     module = GatedMLP(H, 160).double()
     x = torch.randn(2, 64, H, dtype=torch.float64, requires_grad=True)
