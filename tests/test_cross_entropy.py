@@ -128,6 +128,39 @@ def test_the_loss_alone_is_the_sum_the_graph_would_make(lk, case, reduction, bac
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_common_case_returns_what_the_checked_path_does(lk, reduction, backend_name, monkeypatch):
+    """``cross_entropy``'s common case (2-D logits, 1-D int64 targets, the loss alone) skips the checks and the
+    route: its loss and gradient are bit for bit those of the same rows as 3-D logits, which take them; its bad
+    input raises the checks' errors."""
+    ce = lk.cross_entropy
+    checked = []
+    check_target = ce.check_target
+    monkeypatch.setattr(ce, "check_target", lambda *args: checked.append(args) or check_target(*args))
+    generator = torch.Generator().manual_seed(11)
+    rows = torch.randn(37, 29, generator=generator)
+    target = torch.randint(0, 29, (37,), generator=generator)
+    target[::4] = -100
+    options = {"reduction": reduction, "label_smoothing": 0.1, "lse_square_scale": 1e-3}
+    x = rows.clone().requires_grad_()
+    loss = ce.cross_entropy(x, target, **options)
+    assert not checked
+    x3 = rows.clone()[None].requires_grad_()
+    want = ce.cross_entropy(x3, target[None], **options)
+    assert len(checked) == 1
+    assert torch.equal(loss, want)
+    d_loss = torch.tensor(1.7)
+    assert torch.equal(torch.autograd.grad(loss, x, d_loss)[0], torch.autograd.grad(want, x3, d_loss)[0][0])
+    for bad, error, message in (
+        ({"target": target.clone().fill_(29)}, ValueError, "values must be in \\[0, 29\\)"),
+        ({"ignore_index": 1.5}, TypeError, "`ignore_index` must be an int"),
+        ({"label_smoothing": float("nan")}, TypeError, "`label_smoothing`"),
+        ({"reduction": "avg"}, ValueError, "`reduction` must be one of"),
+    ):
+        with pytest.raises(error, match=message):
+            ce.cross_entropy(x, **{"target": target, **options, **bad})
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("rows", [1, 1024, 2500])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class_weights"])
@@ -164,6 +197,13 @@ def test_device_reductions_match_pytorch(lk, rows, weighted, device):
             want_ce, want_z = ce.double().sum() / scale_ce, z.double().sum() / scale_z
             for got, want in ((ce_part, want_ce), (z_loss, want_z), (loss, want_ce + want_z)):
                 assert got.shape == () and rel_err(got, want) <= FP32_BOUND, (reduction, got, want)
+        # the eager loss's form: "mean"'s divisors found in the sums' own launch, bit for bit the two launches'
+        mean = opts._replace(reduction="mean")
+        *fused, found = ce_module.reduced_with_divisors(ce, z, None, target, ce_weight, mean, False)
+        apart = ce_module.reduced_parts(ce, z, None, target, ce_weight, mean, False, divisors)
+        assert fused[2] is None and all(torch.equal(f, a) for f, a in zip(fused[:2] + fused[3:], apart[:2] + apart[3:]))
+        assert len(found) == 2 and all(torch.equal(f, d) for f, d in zip(found, divisors[:2]))
+        assert (found[0] is found[1]) == (not weighted)
         assert (
             rel_err(ce_module.row_scales(target, ce_weight, opts._replace(reduction="mean"), ce)[0], 1 / weights)
             <= FP32_BOUND

@@ -2,6 +2,7 @@
 input, and who may have their buffers overwritten by backward. Every case runs on both backends."""
 
 import inspect
+import operator
 
 import numpy as np
 import pytest
@@ -568,6 +569,30 @@ def test_launch_plans_never_stand_for_the_multipliers(lk, device):
             want_grads = torch.autograd.grad(want, (a64, b64), torch.ones_like(want))
             for what, got, ref in (("out", out, want), ("d_a", d_a, want_grads[0]), ("d_b", d_b, want_grads[1])):
                 assert_faithful(got, ref, torch.float32, f"{what}, multipliers {gate_multiplier}, {down_multiplier}")
+
+
+def test_the_forward_common_case_launches_what_the_general_path_does(lk, monkeypatch):
+    """``gated_forward`` launches contiguous tensors in one frame: the same kernel, plan, inputs and multipliers
+    as ``_forward_triton``, into an output of the same layout; a strided gate or up takes ``_forward_triton``."""
+    seen, general_calls = [], []
+    record = lambda kernel, tensors, plan, trailing: seen.append((kernel, tensors, plan, trailing))  # noqa: E731
+    monkeypatch.setattr(lk._gated, "launch_prepared", record)
+    general = lk._gated._forward_triton
+    silu = lk.activations.REGISTRY["silu"]
+    gate, up = torch.randn(4, 64), torch.randn(4, 64)
+    with backend("triton"):
+        fast_out = lk._gated.gated_forward(gate, up, silu, 2.0, -3.0)
+        general_out = general(gate, up, silu, 2.0, -3.0)
+        (fast, slow) = seen
+        assert fast[0] is slow[0] and fast[2] is slow[2] and fast[3] == slow[3] == (2.0, -3.0)
+        same = lambda tensors, out: len(tensors) == 3 and all(map(operator.is_, tensors, (gate, up, out)))  # noqa: E731
+        assert same(fast[1], fast_out) and same(slow[1], general_out)
+        assert (fast_out.shape, fast_out.stride(), fast_out.dtype) == (gate.shape, gate.stride(), gate.dtype)
+        monkeypatch.setattr(lk._gated, "_forward_triton", lambda *args: general_calls.append(args) or general(*args))
+        strided = torch.randn(4, 128)[:, :64]
+        for pair in ((strided, up), (gate, strided), (gate, up)):
+            lk._gated.gated_forward(*pair, silu)
+    assert [args[:2] for args in general_calls] == [(strided, up), (gate, strided)]
 
 
 def test_each_launch_is_planned_from_its_own_call(lk, monkeypatch):

@@ -22,7 +22,9 @@ back between two CUDA events (median of 15), forward (no grad) and backward (``a
 retained forward, 20 times), as % of the copy ceiling: what an eager loop sees when the host barely keeps up;
 bench_activations.py's CUDA-graph figures are the GPU's own time. ``bwd_step``: the backward as a training
 step runs it, one ``autograd.grad`` through the 20 calls' nodes (on 20 input pairs, so nothing is summed):
-each node costs the host its backward alone, not a graph task of its own.
+each node costs the host its backward alone, not a graph task of its own. ``bwd_node``: what one more call's
+node adds to a training step's backward pass, from passes through 20 and 80 calls' nodes recorded afresh
+(timing.pass_ms), so that the pass's own fixed cost, the same for every implementation, is left out.
 """
 
 import argparse
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timing
 
 DTYPE = torch.bfloat16
+PASS_NODES = 4  # the longer step's pass, in multiples of the 20 calls of the shorter
 FULL = {
     "rows": 16,
     "hidden": 4096,
@@ -633,8 +636,8 @@ def back_to_back_rows(copy_bytes_per_s: float, cfg, device, peers) -> list:
     nbytes = a.numel() * a.element_size()
     # A training step's backward runs every node in one pass: its own pairs, so that no gradient is summed.
     nodes = timing.GRAPH_CALLS if torch.device(device).type == "cuda" else 2
-    pairs = [tuple(torch.randn_like(t).requires_grad_() for t in (a, b)) for _ in range(nodes)]
-    d_outs = [d_out] * len(pairs)
+    pairs = [tuple(torch.randn_like(t).requires_grad_() for t in (a, b)) for _ in range(PASS_NODES * nodes)]
+    d_outs = [d_out] * nodes
     ops = {
         "silu_mul": {
             "ours": lk.silu_mul,
@@ -666,15 +669,30 @@ def back_to_back_rows(copy_bytes_per_s: float, cfg, device, peers) -> list:
 
             def backward_in_one_pass(fn=fn, holder=holder):
                 if "outs" not in holder:
-                    holder["outs"] = [fn(x, y) for x, y in pairs]
-                torch.autograd.grad(holder["outs"], [t for pair in pairs for t in pair], d_outs, retain_graph=True)
+                    holder["outs"] = [fn(x, y) for x, y in pairs[:nodes]]
+                inputs = [t for pair in pairs[:nodes] for t in pair]
+                torch.autograd.grad(holder["outs"], inputs, d_outs, retain_graph=True)
+
+            def step_pass_ms(n, fn=fn):
+                """A training step's backward through n calls' nodes, recorded afresh for each pass."""
+                inputs = [t for pair in pairs[:n] for t in pair]
+                return timing.pass_ms(
+                    lambda: [fn(x, y) for x, y in pairs[:n]],
+                    lambda outs: torch.autograd.grad(outs, inputs, [d_out] * n),
+                    device,
+                )
 
             try:
                 with torch.no_grad():
                     row["fwd_ms"] = timing.back_to_back_ms(lambda fn=fn: fn(a, b), device)
                 row["bwd_ms"] = timing.back_to_back_ms(backward, device)
-                row["bwd_step_ms"] = timing.back_to_back_ms(backward_in_one_pass, device, calls=1) / len(pairs)
-                for phase in ("fwd", "bwd", "bwd_step"):
+                row["bwd_step_ms"] = timing.back_to_back_ms(backward_in_one_pass, device, calls=1) / nodes
+                # What one more node adds to a step's pass, its fixed cost (autograd.grad's own, the same for
+                # every implementation: NOTES.md §33) apart: the pass of PASS_NODES times as many calls, less
+                # the pass of 20, per added node.
+                few, many = step_pass_ms(nodes), step_pass_ms(PASS_NODES * nodes)
+                row["bwd_node_ms"] = (many - few) / ((PASS_NODES - 1) * nodes)
+                for phase in ("fwd", "bwd", "bwd_step", "bwd_node"):
                     if copy_bytes_per_s:
                         seconds = row[f"{phase}_ms"] * 1e-3
                         moved = row["fwd_bytes"] if phase == "fwd" else row["bwd_bytes"]
@@ -688,7 +706,8 @@ def back_to_back_rows(copy_bytes_per_s: float, cfg, device, peers) -> list:
                 + (
                     row.get("error")
                     or f"fwd {row.get('fwd_pct', 0):5.1f}%  bwd {row.get('bwd_pct', 0):5.1f}%  "
-                    f"bwd in one pass {row.get('bwd_step_pct', 0):5.1f}% of copy"
+                    f"bwd in one pass {row.get('bwd_step_pct', 0):5.1f}%  a node of a step's pass "
+                    f"{row.get('bwd_node_pct', 0):5.1f}% of copy"
                 )
             )
     timing.free(device)

@@ -279,13 +279,14 @@ def _back_to_back_table(results):
             if row is None or "fwd_pct" not in row:
                 cells.append("–" if row is None or "error" not in row else "failed")
             else:
-                step = f" / {row['bwd_step_pct']:.0f}%" if "bwd_step_pct" in row else ""
+                step = "".join(f" / {row[key]:.0f}%" for key in ("bwd_step_pct", "bwd_node_pct") if key in row)
                 cells.append(f"{row['fwd_pct']:.0f}% / {row['bwd_pct']:.0f}%{step}")
         body.append(cells)
     shape = "×".join(str(s) for s in rows[0]["shape"]) if rows else "?"
     return _table(
         f"Back to back (20 launches between two events), {shape} bf16, % of copy (forward / backward, one "
-        "autograd.grad per call / backward of the 20 calls in one pass, as a training step runs it):",
+        "autograd.grad per call / backward of the 20 calls in one pass, as a training step runs it / one more "
+        "call's node in a step's pass):",
         ["op", "ours", "eager", "peer liger-kernel"],
         body,
     )

@@ -1,10 +1,11 @@
-"""What the suite's bench_*.py share: the package from this checkout, the ceilings, and four ways to time a call.
+"""What the suite's bench_*.py share: the package from this checkout, the ceilings, and five ways to time a call.
 
 - ``graph_ms``: GRAPH_CALLS calls captured in one CUDA graph and replayed: the GPU's own time per call, without
   the host's launch and dispatch cost (what a training step whose host runs ahead sees). CUDA only.
 - ``back_to_back_ms``: GRAPH_CALLS calls launched back to back from the host between two CUDA events: the
   host's cost shows wherever it exceeds the GPU's time (what an eager loop sees).
 - ``launch_ms``: ``triton.testing.do_bench``, one call per timing with L2 flushed in between.
+- ``pass_ms``: one backward pass through a freshly recorded graph, the forward untimed (a training step's).
 - ``host_us``: CPU wall time per call of tiny inputs, so the GPU never holds the host back: the host's own
   cost (checks, dispatch, launches).
 
@@ -129,6 +130,34 @@ def back_to_back_ms(fn, device, calls=GRAPH_CALLS, repeats=15, warm=3) -> float:
             for _ in range(calls):
                 fn()
             times.append((time.perf_counter() - start) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def pass_ms(record, backward, device, repeats=7, warm=2) -> float:
+    """Median time of ``backward(record())`` with only the backward timed: ``record()``, the forward, makes a fresh
+    graph before each pass, as every training step does, and finishes before the timing starts (CUDA events
+    around the backward; on the CPU, the smoke test's, the wall clock)."""
+    cuda = torch.device(device).type == "cuda"
+    if not cuda:
+        repeats, warm = min(repeats, 2), min(warm, 1)
+    times = []
+    for i in range(warm + repeats):
+        graph = record()
+        sync(device)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            backward(graph)
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            began = time.perf_counter()
+            backward(graph)
+            elapsed = (time.perf_counter() - began) * 1e3
+        if i >= warm:
+            times.append(elapsed)
+        del graph
     return statistics.median(times)
 
 

@@ -275,7 +275,15 @@ def _backward_torch(d_out, gate, up, activation, gate_multiplier, down_multiplie
 
 def gated_forward(gate, up, activation, gate_multiplier=1.0, down_multiplier=1.0) -> torch.Tensor:
     """``act(gate_multiplier * gate) * up * down_multiplier`` for validated inputs, without autograd."""
-    if gate.numel() == 0:
+    n = gate.numel()
+    if n and gate.is_contiguous() and up.is_contiguous() and use_triton(gate):
+        # The common case in one frame: what _forward_triton does with contiguous tensors, which _as_rows passes
+        # as one row of n columns (as backward_from_ctx does for the backward; NOTES.md §33).
+        out = _backend.new_like(gate)
+        plan = _plan(activation.triton_value, None, 1, n, _CONTIGUOUS[:3])
+        launch_prepared(_gated_forward_kernel, (gate, up, out), plan, (gate_multiplier, down_multiplier))
+        return out
+    if n == 0:
         return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if use_triton(gate):
         return _forward_triton(gate, up, activation, gate_multiplier, down_multiplier)
@@ -364,7 +372,7 @@ def bind_cheaply(function_class):
     parameters = tuple(signature.parameters.values())
     names = tuple(p.name for p in parameters)
     defaults = tuple(p.default for p in parameters if p.default is not p.empty)
-    parts = _apply_parts()
+    parts = _backend.apply_parts()
     if parts is None or any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in parameters):
         return function_class  # a PyTorch whose apply differs, or a signature the fast binding does not cover
     torch_apply, unwrap_dead, c_apply = parts
@@ -396,15 +404,6 @@ def bind_cheaply(function_class):
     apply.__qualname__ = f"{function_class.__qualname__}.apply"
     function_class.apply = classmethod(apply)
     return function_class
-
-
-def _apply_parts():
-    """(PyTorch's ``Function.apply``, the unwrapping of dead torch.func wrappers it does first, the C++ apply it
-    ends in), or None where this PyTorch's apply is not made of those."""
-    torch_apply = getattr(torch.autograd.Function.apply, "__func__", None)
-    unwrap_dead = getattr(getattr(getattr(torch, "_functorch", None), "utils", None), "unwrap_dead_wrappers", None)
-    c_apply = torch._C._FunctionBase.__dict__.get("apply")
-    return None if None in (torch_apply, unwrap_dead, c_apply) else (torch_apply, unwrap_dead, c_apply)
 
 
 def with_defaults(inputs: tuple, defaults: tuple) -> tuple:
@@ -609,18 +608,7 @@ class _EagerGated(torch.autograd.Function):
         return (*backward_from_ctx(ctx, d_out), None)
 
 
-def _c_apply(function_class):
-    """``function_class.apply`` past PyTorch's Python part, which for a Function without ``setup_context``, called
-    with no torch.func transform active, only unwraps the arguments' dead torch.func wrappers and then calls
-    the C++ apply (about 3 µs per call on this project's development machine, a tenth of an eager call). Its
-    callers rule out transforms and wrapped tensors first. PyTorch's apply where this PyTorch's differs."""
-    parts = _apply_parts()
-    if parts is None or function_class.apply.__func__ is not parts[0]:
-        return function_class.apply
-    return parts[2].__get__(None, function_class)
-
-
-_eager_gated = _c_apply(_EagerGated)
+_eager_gated = _backend.c_apply(_EagerGated)
 
 
 def gated_apply(
@@ -632,10 +620,12 @@ def gated_apply(
     torch.export and torch.func get the PyTorch composite: an exported program then holds only aten ops and
     loads wherever PyTorch does (the torch.library namespace is per build), and transformed tensors have no
     storage for a kernel."""
-    if _backend.forward_ad_active() or _backend.exporting():  # compiled too (see transforms_active)
-        return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     if torch.compiler.is_compiling():
+        if _backend.forward_ad_active() or _backend.exporting():  # (see transforms_active)
+            return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
         return gated_forward_op(gate, up, activation.name, gate_multiplier, down_multiplier, in_place_backward)
+    if _backend.exporting():  # (forward AD: gated_apply_eager asks)
+        return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     return gated_apply_eager(gate, up, activation, gate_multiplier, down_multiplier, in_place_backward, own_buffers)
 
 

@@ -77,14 +77,20 @@ def check_target(target, rows_shape, n_classes: int, ignore_index: int, op: str)
         raise TypeError(f"{op}: `target` must hold integer class indices, got {target.dtype}")
     if tuple(target.shape) != tuple(rows_shape):
         raise ValueError(f"{op}: `target` must have shape {tuple(rows_shape)}, got {tuple(target.shape)}")
-    if target.device.type == "cpu" and target.numel() > 0 and not torch.compiler.is_compiling():
+    if target.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check_target_values(target, n_classes, ignore_index, op)
+    return target
+
+
+def _check_target_values(target, n_classes: int, ignore_index: int, op: str) -> None:
+    """A CPU target's kept values are class indices."""
+    if target.numel() > 0:
         kept = target[target != ignore_index]
         if kept.numel() > 0 and (int(kept.min()) < 0 or int(kept.max()) >= n_classes):
             raise ValueError(
                 f"{op}: `target` values must be in [0, {n_classes}) or ignore_index={ignore_index}, got values in "
                 f"[{int(kept.min())}, {int(kept.max())}]"
             )
-    return target
 
 
 def check_options(op: str, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling):
@@ -393,6 +399,32 @@ def _lanes_sum(total, carry, plain):
 
 
 @jit
+def _divisors_step(
+    target_ptr,
+    ce_weight_ptr,
+    rows,
+    n_rows,
+    n_classes,
+    ignore_index,
+    count,
+    total,
+    carry,
+    plain,
+    HAS_CE_WEIGHT: constexpr,
+):
+    """One block of rows of "mean"'s divisors: the kept rows counted per lane, their class weights added."""
+    y = tl.load(target_ptr + rows, mask=rows < n_rows, other=ignore_index).to(tl.int64)
+    kept = y != ignore_index
+    count += kept.to(tl.int64)
+    if HAS_CE_WEIGHT:
+        # a kept target out of range counts class 0's weight, as the PyTorch path does (its loss is NaN)
+        y_safe = tl.where(kept & (y >= 0) & (y < n_classes), y, 0)
+        w = tl.load(ce_weight_ptr + y_safe, mask=kept, other=0.0).to(tl.float32)
+        total, carry, plain = _compensated_add(total, carry, plain, w)
+    return count, total, carry, plain
+
+
+@jit
 def _divisors_kernel(
     target_ptr,
     ce_weight_ptr,
@@ -409,15 +441,10 @@ def _divisors_kernel(
     count = tl.zeros((BLOCK,), tl.int64)
     total, carry, plain = _zero_lanes(BLOCK)
     for start in range(0, n_rows, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        y = tl.load(target_ptr + rows, mask=rows < n_rows, other=ignore_index).to(tl.int64)
-        kept = y != ignore_index
-        count += kept.to(tl.int64)
-        if HAS_CE_WEIGHT:
-            # a kept target out of range counts class 0's weight, as the PyTorch path does (its loss is NaN)
-            y_safe = tl.where(kept & (y >= 0) & (y < n_classes), y, 0)
-            w = tl.load(ce_weight_ptr + y_safe, mask=kept, other=0.0).to(tl.float32)
-            total, carry, plain = _compensated_add(total, carry, plain, w)
+        count, total, carry, plain = _divisors_step(
+            target_ptr, ce_weight_ptr, start + tl.arange(0, BLOCK), n_rows, n_classes, ignore_index, count, total,
+            carry, plain, HAS_CE_WEIGHT,
+        )  # fmt: skip
     c = tl.sum(count, axis=0).to(tl.float32)  # an exact count, rounded once
     tl.store(count_ptr, c)
     tl.store(inv_count_ptr, tl.div_rn(1.0, c))  # (PyTorch's division rounds correctly; "/" need not)
@@ -429,10 +456,30 @@ def _divisors_kernel(
 
 @jit
 def _sums_kernel(
-    ce_ptr, z_ptr, weights_ptr, count_ptr, ce_part_ptr, z_loss_ptr, loss_ptr, n_rows, MEAN: constexpr, BLOCK: constexpr
+    ce_ptr,
+    z_ptr,
+    weights_ptr,
+    count_ptr,
+    ce_part_ptr,
+    z_loss_ptr,
+    loss_ptr,
+    target_ptr,
+    ce_weight_ptr,
+    n_rows,
+    n_classes,
+    ignore_index,
+    MEAN: constexpr,
+    DIVISORS: constexpr,
+    HAS_CE_WEIGHT: constexpr,
+    BLOCK: constexpr,
 ):
+    """The rows' sums, divided for "mean" by the divisors at ``weights_ptr`` and ``count_ptr``; with ``DIVISORS``
+    those are found here first, in the divisors kernel's lanes and order (the same values bit for bit), and
+    written there: one launch where the eager loss's forward took two."""
     ce_total, ce_carry, ce_plain = _zero_lanes(BLOCK)
     z_total, z_carry, z_plain = _zero_lanes(BLOCK)
+    count = tl.zeros((BLOCK,), tl.int64)
+    w_total, w_carry, w_plain = _zero_lanes(BLOCK)
     for start in range(0, n_rows, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         mask = rows < n_rows
@@ -440,11 +487,27 @@ def _sums_kernel(
         z = tl.load(z_ptr + rows, mask=mask, other=0.0)
         ce_total, ce_carry, ce_plain = _compensated_add(ce_total, ce_carry, ce_plain, ce)
         z_total, z_carry, z_plain = _compensated_add(z_total, z_carry, z_plain, z)
+        if DIVISORS:
+            count, w_total, w_carry, w_plain = _divisors_step(
+                target_ptr, ce_weight_ptr, rows, n_rows, n_classes, ignore_index, count, w_total, w_carry, w_plain,
+                HAS_CE_WEIGHT,
+            )  # fmt: skip
     ce_part = _lanes_sum(ce_total, ce_carry, ce_plain)
     z_loss = _lanes_sum(z_total, z_carry, z_plain)
     if MEAN:  # divided after summing, as PyTorch's mean
-        ce_part = tl.div_rn(ce_part, tl.load(weights_ptr))
-        z_loss = tl.div_rn(z_loss, tl.load(count_ptr))
+        if DIVISORS:
+            c = tl.sum(count, axis=0).to(tl.float32)
+            tl.store(count_ptr, c)
+            if HAS_CE_WEIGHT:
+                w = _lanes_sum(w_total, w_carry, w_plain)
+                tl.store(weights_ptr, w)
+            else:
+                w = c
+        else:
+            w = tl.load(weights_ptr)
+            c = tl.load(count_ptr)
+        ce_part = tl.div_rn(ce_part, w)
+        z_loss = tl.div_rn(z_loss, c)
     tl.store(ce_part_ptr, ce_part)
     tl.store(z_loss_ptr, z_loss)
     tl.store(loss_ptr, ce_part + z_loss)
@@ -487,19 +550,30 @@ def _divisors_triton(target, ce_weight, opts: Options, rows):
     return weights, count, inv_weights, inv_count
 
 
-def _sums_triton(ce, z, divisors):
+def _sums_triton(ce, z, divisors, target=None, ce_weight=None, opts: Options | None = None):
+    """(ce_part, z_loss, loss): the rows' sums, divided by ``divisors`` (``denominators``' first two, or () for
+    "sum"). ``divisors`` None: "mean" with the divisors found in the same launch from ``target``, ``ce_weight``
+    and ``opts``, and returned after the sums, as ``denominators``' first two."""
     new, like = _backend.new_tensor, {"dtype": ce.dtype, "device": ce.device}
     ce_part, z_loss, loss = new((), **like), new((), **like), new((), **like)
+    found = divisors is None
+    if found:
+        count = new((), **like)
+        divisors = (count if ce_weight is None else new((), **like), count)
     weights, count = divisors[:2] if divisors else (ce, ce)
     launch(
         _sums_kernel,
         (1,),
-        (ce, z, weights, count, ce_part, z_loss, loss, ce.numel()),
+        (ce, z, weights, count, ce_part, z_loss, loss, target if found else ce,
+         ce if ce_weight is None or not found else ce_weight, ce.numel(),
+         ce_weight.shape[0] if found and ce_weight is not None else 0, opts.ignore_index if found else 0),
         MEAN=bool(divisors),
+        DIVISORS=found,
+        HAS_CE_WEIGHT=found and ce_weight is not None,
         BLOCK=REDUCE_BLOCK,
         num_warps=4,
-    )
-    return ce_part, z_loss, loss
+    )  # fmt: skip
+    return (ce_part, z_loss, loss, divisors) if found else (ce_part, z_loss, loss)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -742,11 +816,22 @@ def reduced_parts(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: 
         z_loss, ce_part = z.sum(), ce.sum()
     else:
         z_loss, ce_part = z.sum() / divisors[1], ce.sum() / divisors[0]
-    accuracy = None
-    if want_accuracy:
-        kept = target != opts.ignore_index
-        accuracy = ((pred == target) & kept).to(torch.float32).sum() / kept.sum()
-    return ce_part, z_loss, accuracy, loss
+    return ce_part, z_loss, _accuracy(pred, target, opts) if want_accuracy else None, loss
+
+
+def reduced_with_divisors(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool):
+    """``reduced_parts``, then "mean"'s divisors (weights, count) ((), "sum"); where the rows reduce on the device,
+    the divisors are found in the sums' launch."""
+    if opts.reduction == "mean" and reduces_on_device(ce):
+        ce_part, z_loss, loss, divisors = _sums_triton(ce, z, None, target, ce_weight, opts)
+        return ce_part, z_loss, _accuracy(pred, target, opts) if want_accuracy else None, loss, divisors
+    divisors = denominators(target, ce_weight, opts, ce)[:2] if opts.reduction == "mean" else ()
+    return (*reduced_parts(ce, z, pred, target, ce_weight, opts, want_accuracy, divisors=divisors or None), divisors)
+
+
+def _accuracy(pred, target, opts: Options):
+    kept = target != opts.ignore_index
+    return ((pred == target) & kept).to(torch.float32).sum() / kept.sum()
 
 
 def row_scales(target, ce_weight, opts: Options, rows, divisors=None):
@@ -831,14 +916,14 @@ class _EagerReduced(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ce_weight, opts, want_pred, want_accuracy, loss_out=False):
         lse, ce, z, pred = _rows_forward(logits, target, ce_weight, opts, want_pred)
-        divisors = denominators(target, ce_weight, opts, ce)[:2] if opts.reduction == "mean" else ()
-        ce_part, z_loss, accuracy, loss = reduced_parts(
-            ce, z, pred, target, ce_weight, opts, want_accuracy, divisors=divisors or None
+        ce_part, z_loss, accuracy, loss, divisors = reduced_with_divisors(
+            ce, z, pred, target, ce_weight, opts, want_accuracy
         )
         # Without class weights both divisors are the count: saved once, divided by once.
         ctx.save_for_backward(logits, target, ce_weight, lse, *divisors[ce_weight is None :])
         ctx.opts, ctx.loss_out = opts, loss_out
-        ctx.mark_non_differentiable(*[t for t in (accuracy, pred) if t is not None])
+        if accuracy is not None or pred is not None:
+            ctx.mark_non_differentiable(*[t for t in (accuracy, pred) if t is not None])
         ctx.set_materialize_grads(False)
         if loss_out:
             return (ce_part + z_loss if loss is None else loss), z_loss, accuracy, pred
@@ -1011,6 +1096,39 @@ def cross_entropy(
     tokens of :func:`~liger_kernels.liger_fused_linear_cross_entropy` and its return convention (the loss, or a
     ``CrossEntropyOutput`` when any ``return_*`` is set). Backward writes the logits' gradient, in their dtype,
     to a new tensor."""
+    if (
+        # The common case in one expression: plain 2-D logits whose classes are contiguous, 1-D int64 targets, no
+        # class weights, the loss alone, reduced, in eager mode (not compiled, exported, traced, transformed or
+        # under forward AD): what the checks and the route below accept and where they send it, without their
+        # calls (the host's time per call, NOTES.md §33).
+        type(logits) is _Tensor
+        and type(target) is _Tensor
+        and ce_weight is None
+        and return_z_loss is False
+        and return_token_accuracy is False
+        and return_predicted_tokens is False
+        and type(reduction) is str
+        and (reduction == "mean" or reduction == "sum")
+        and logits.dtype in _FLOAT_DTYPES
+        and target.dtype is _INT64
+        and logits.dim() == 2
+        and target.dim() == 1
+        and logits.shape[0] == target.shape[0]
+        and logits.shape[1]
+        and logits.stride(1) == 1
+        and target.is_contiguous()
+        and target.device == logits.device
+        and not torch.compiler.is_compiling()
+        and not _backend.exporting()
+        and not _backend.forward_ad_active()
+        and not _are_transforms_active()
+        and not _is_wrapped(logits)  # (dead wrappers too, which the route sends to the composite)
+        and not _is_wrapped(target)
+    ):
+        opts = check_options(OP, ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling)
+        if target.is_cpu:
+            _check_target_values(target, logits.shape[1], opts.ignore_index, OP)
+        return _eager_reduced(logits, target, None, opts, False, False, True)[0]
     check_tensor(logits, "logits", OP)
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"{OP}: `logits` must have shape (*, V) with V >= 1, got {tuple(logits.shape)}")
@@ -1042,6 +1160,14 @@ def cross_entropy(
         ce, z, pred = apply_rows(rows, flat_target, ce_weight, opts, flags[1] or flags[2], route)
         loss, z_loss, accuracy = reduce_rows(ce, z, pred, flat_target, ce_weight, opts, flags[1], target.shape)
     return package(loss, z_loss, accuracy, pred, flags, target.shape)
+
+
+_Tensor = torch.Tensor
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INT64 = torch.int64
+_are_transforms_active = torch._C._are_functorch_transforms_active
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_eager_reduced = _backend.c_apply(_EagerReduced)
 
 
 @dataclass
