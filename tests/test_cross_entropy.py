@@ -161,6 +161,29 @@ def test_the_common_case_returns_what_the_checked_path_does(lk, reduction, backe
             ce.cross_entropy(x, **{"target": target, **options, **bad})
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class_weights"])
+def test_the_gradient_divides_its_scales_as_pytorch(lk, weighted, backend_name):
+    """The eager loss's backward hands "mean"'s divisors to the gradient, which on the Triton path divides the
+    incoming gradient in its own launch: bit for bit the gradient of scales divided by PyTorch first, each
+    divisor apart (None: undivided), per-row scales too."""
+    ce = lk.cross_entropy
+    generator = torch.Generator().manual_seed(3 + weighted)
+    logits = torch.randn(9, 37, generator=generator)
+    target = torch.randint(0, 37, (9,), generator=generator)
+    target[2] = -100
+    ce_weight = torch.rand(37, generator=generator) + 0.5 if weighted else None
+    total = ce.class_weight_total(ce_weight)
+    opts = ce.Options(lse_square_scale=1e-2, label_smoothing=0.05)
+    lse = ce.row_stats(logits, target, ce_weight, total, opts, False)[0]
+    d, rows = torch.tensor(1.3), torch.rand(9, generator=generator) + 0.5
+    weights, count = torch.tensor(7.7), torch.tensor(3.0)
+    for ce_scale, z_scale, by in ((d, d, (weights, count)), (d, rows, (None, count)), (rows, d, (weights, None))):
+        got = ce.row_grad(logits, target, ce_weight, total, lse, ce_scale, z_scale, opts, divisors=by)
+        divided = [s if b is None else s / b for s, b in zip((ce_scale, z_scale), by)]
+        want = ce.row_grad(logits, target, ce_weight, total, lse, *divided, opts)
+        assert torch.equal(got, want), by
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("rows", [1, 1024, 2500])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class_weights"])

@@ -182,6 +182,8 @@ def _ce_rows_kernel(
     ce_scale_stride,
     z_scale_ptr,
     z_scale_stride,
+    ce_divisor_ptr,
+    z_divisor_ptr,
     n_cols,
     ignore_index,
     lse_square_scale,
@@ -195,11 +197,14 @@ def _ce_rows_kernel(
     STORE_PRED: constexpr,
     STATS: constexpr,
     GRAD: constexpr,
+    DIVIDE_CE: constexpr,
+    DIVIDE_Z: constexpr,
     BLOCK: constexpr,
     N_BLOCKS: constexpr,
 ):
     """One row per program. STATS: the row's lse, loss terms and prediction, stored. GRAD: the gradient of
-    ``a * ce + b * z`` (a, b: the row's scales), stored in ``grad`` from the lse just computed, or (without
+    ``a * ce + b * z`` (a, b: the row's scales, divided by the one value at ``ce_divisor_ptr`` or
+    ``z_divisor_ptr`` with DIVIDE_CE or DIVIDE_Z), stored in ``grad`` from the lse just computed, or (without
     STATS) from the one stored before. ``grad`` may be the logits themselves (the fused loss's chunk): the
     second loop reads each block before writing its gradient there."""
     row = tl.program_id(0).to(tl.int64)
@@ -275,6 +280,11 @@ def _ce_rows_kernel(
         if GRAD:
             a = tl.load(ce_scale_ptr + row * ce_scale_stride).to(tl.float32)
             b = tl.load(z_scale_ptr + row * z_scale_stride).to(tl.float32)
+            # "mean"'s division of the incoming gradient, rounded as PyTorch's (an aten op fewer per backward)
+            if DIVIDE_CE:
+                a = tl.div_rn(a, tl.load(ce_divisor_ptr).to(tl.float32))
+            if DIVIDE_Z:
+                b = tl.div_rn(b, tl.load(z_divisor_ptr).to(tl.float32))
             if TOKEN_SCALING:
                 p_y = tl.exp2((s_y - lse) * _LOG2E)
                 a = a * p_y
@@ -335,7 +345,8 @@ def _option_arguments(opts: Options, ce_weight, weight_total, dummy):
 
 def _rows_triton(logits, target, ce_weight, weight_total, opts: Options, stats=None, grad=None, lse=None, scales=None):
     """``_ce_rows_kernel`` over the rows of ``logits``: ``stats`` = (lse, ce, z, pred or None) to write them,
-    ``grad`` (may be ``logits``) with ``scales`` = (ce_scale, z_scale) to write the gradient, from ``lse`` when
+    ``grad`` (may be ``logits``) with ``scales`` = (ce_scale, z_scale), or (ce_scale, z_scale, ce_divisor,
+    z_divisor) with 0-d divisors of the scales (None: undivided), to write the gradient, from ``lse`` when
     ``stats`` is None. Absent tensors are stood in for by others, never dereferenced."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
@@ -345,22 +356,29 @@ def _rows_triton(logits, target, ce_weight, weight_total, opts: Options, stats=N
     else:
         lse, ce, z, pred = stats
     logits_stride, writes_grad = logits.stride(0), grad is not None
+    ce_divisor = z_divisor = None
     if not writes_grad:
         grad, grad_stride, ce_scale, ce_stride, z_scale, z_stride = logits, 0, lse, 0, lse, 0
     else:
-        (ce_scale, z_scale), grad_stride = scales, logits_stride if grad is logits else grad.stride(0)
+        grad_stride = logits_stride if grad is logits else grad.stride(0)
+        ce_scale, z_scale, *divisors = scales
+        if divisors:
+            ce_divisor, z_divisor = divisors
         ce_stride, z_stride = _row_stride(ce_scale), _row_stride(z_scale)
     weights, scalars, flags = _option_arguments(opts, ce_weight, weight_total, lse)
     launch(
         _ce_rows_kernel,
         (n_rows,),
         (logits, logits_stride, grad, grad_stride, target, *weights, lse, ce, z, lse if pred is None else pred,
-         ce_scale, ce_stride, z_scale, z_stride, n_cols, *scalars),
+         ce_scale, ce_stride, z_scale, z_stride, lse if ce_divisor is None else ce_divisor,
+         lse if z_divisor is None else z_divisor, n_cols, *scalars),
         **flags,
         Z_LOSS=opts.lse_square_scale != 0.0,
         STORE_PRED=stats is not None and pred is not None,
         STATS=stats is not None,
         GRAD=writes_grad,
+        DIVIDE_CE=ce_divisor is not None,
+        DIVIDE_Z=z_divisor is not None,
         **_blocks(n_cols),
         num_warps=NUM_WARPS,
     )  # fmt: skip
@@ -746,14 +764,21 @@ def row_stats(logits, target, ce_weight, weight_total, opts: Options, want_pred:
     return out
 
 
-def row_grad(logits, target, ce_weight, weight_total, lse, ce_scale, z_scale, opts: Options, grad=None):
+def row_grad(
+    logits, target, ce_weight, weight_total, lse, ce_scale, z_scale, opts: Options, grad=None, divisors=(None, None)
+):
     """The gradient of ``ce_scale * ce + z_scale * z`` with respect to ``logits``, written into ``grad``
-    (``logits`` itself is allowed) or a new tensor of the logits' dtype. Scales: 1-element or per-row."""
+    (``logits`` itself is allowed) or a new tensor of the logits' dtype. Scales: 1-element or per-row, each
+    divided first by its entry of ``divisors`` (0-d tensors, or None) where given."""
     if grad is None:
         grad = _backend.new_tensor(logits.shape, dtype=logits.dtype, device=logits.device)
     if use_triton(logits):
-        _rows_triton(logits, target, ce_weight, weight_total, opts, grad=grad, lse=lse, scales=(ce_scale, z_scale))
+        scales = (ce_scale, z_scale, *divisors)
+        _rows_triton(logits, target, ce_weight, weight_total, opts, grad=grad, lse=lse, scales=scales)
     else:
+        ce_divisor, z_divisor = divisors
+        ce_scale = ce_scale if ce_divisor is None else ce_scale / ce_divisor
+        z_scale = z_scale if z_divisor is None else z_scale / z_divisor
         result = grad_torch(logits, target, ce_weight, lse, ce_scale, z_scale, opts, out=grad)
         if result.data_ptr() != grad.data_ptr():
             grad.copy_(result)
@@ -936,18 +961,17 @@ class _EagerReduced(torch.autograd.Function):
             d_z_loss = d_ce_part
         logits, target, ce_weight, lse, *divisors = ctx.saved_tensors
         like = d_ce_part if d_ce_part is not None else d_z_loss
-        if d_z_loss is None:
-            d_z = torch.zeros_like(like)
-        else:
-            d_z = d_z_loss / divisors[-1] if divisors else d_z_loss  # "mean": (W, C), or (C,) where W = C
-        if d_ce_part is None:
-            d_ce = torch.zeros_like(like)
-        elif d_ce_part is d_z_loss and len(divisors) < 2:  # the loss's gradient alone, divided as d_z was
-            d_ce = d_z
-        else:
-            d_ce = d_ce_part / divisors[0] if divisors else d_ce_part
+        d_ce = torch.zeros_like(like) if d_ce_part is None else d_ce_part
+        d_z = torch.zeros_like(like) if d_z_loss is None else d_z_loss
+        # "mean" divides d_ce by W and d_z by C (divisors: (W, C), or (C,) where W = C), in the gradient's own
+        # launch on the Triton path; an absent gradient's zeros are not divided (0 / 0 would be NaN)
+        by = (None, None)
+        if divisors:
+            by = (divisors[0] if d_ce_part is not None else None, divisors[-1] if d_z_loss is not None else None)
         total = class_weight_total(ce_weight)
-        d_logits = row_grad(logits, target, ce_weight, total, lse, d_ce.to(lse.dtype), d_z.to(lse.dtype), ctx.opts)
+        d_logits = row_grad(
+            logits, target, ce_weight, total, lse, d_ce.to(lse.dtype), d_z.to(lse.dtype), ctx.opts, divisors=by
+        )
         return d_logits, None, None, None, None, None, None
 
 
