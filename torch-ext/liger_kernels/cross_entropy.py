@@ -489,11 +489,13 @@ def _sums_kernel(
     MEAN: constexpr,
     DIVISORS: constexpr,
     HAS_CE_WEIGHT: constexpr,
+    PARTS: constexpr,
     BLOCK: constexpr,
 ):
     """The rows' sums, divided for "mean" by the divisors at ``weights_ptr`` and ``count_ptr``; with ``DIVISORS``
     those are found here first, in the divisors kernel's lanes and order (the same values bit for bit), and
-    written there: one launch where the eager loss's forward took two."""
+    written there: one launch where the eager loss's forward took two. The loss is stored, and with ``PARTS``
+    its two parts too."""
     ce_total, ce_carry, ce_plain = _zero_lanes(BLOCK)
     z_total, z_carry, z_plain = _zero_lanes(BLOCK)
     count = tl.zeros((BLOCK,), tl.int64)
@@ -526,8 +528,9 @@ def _sums_kernel(
             c = tl.load(count_ptr)
         ce_part = tl.div_rn(ce_part, w)
         z_loss = tl.div_rn(z_loss, c)
-    tl.store(ce_part_ptr, ce_part)
-    tl.store(z_loss_ptr, z_loss)
+    if PARTS:
+        tl.store(ce_part_ptr, ce_part)
+        tl.store(z_loss_ptr, z_loss)
     tl.store(loss_ptr, ce_part + z_loss)
 
 
@@ -568,12 +571,14 @@ def _divisors_triton(target, ce_weight, opts: Options, rows):
     return weights, count, inv_weights, inv_count
 
 
-def _sums_triton(ce, z, divisors, target=None, ce_weight=None, opts: Options | None = None):
+def _sums_triton(ce, z, divisors, target=None, ce_weight=None, opts: Options | None = None, parts=True):
     """(ce_part, z_loss, loss): the rows' sums, divided by ``divisors`` (``denominators``' first two, or () for
     "sum"). ``divisors`` None: "mean" with the divisors found in the same launch from ``target``, ``ce_weight``
-    and ``opts``, and returned after the sums, as ``denominators``' first two."""
+    and ``opts``, and returned after the sums, as ``denominators``' first two. ``parts`` False: the loss alone,
+    the parts None."""
     new, like = _backend.new_tensor, {"dtype": ce.dtype, "device": ce.device}
-    ce_part, z_loss, loss = new((), **like), new((), **like), new((), **like)
+    loss = new((), **like)
+    ce_part, z_loss = (new((), **like), new((), **like)) if parts else (None, None)
     found = divisors is None
     if found:
         count = new((), **like)
@@ -582,12 +587,14 @@ def _sums_triton(ce, z, divisors, target=None, ce_weight=None, opts: Options | N
     launch(
         _sums_kernel,
         (1,),
-        (ce, z, weights, count, ce_part, z_loss, loss, target if found else ce,
+        (ce, z, weights, count, loss if ce_part is None else ce_part, loss if z_loss is None else z_loss, loss,
+         target if found else ce,
          ce if ce_weight is None or not found else ce_weight, ce.numel(),
          ce_weight.shape[0] if found and ce_weight is not None else 0, opts.ignore_index if found else 0),
         MEAN=bool(divisors),
         DIVISORS=found,
         HAS_CE_WEIGHT=found and ce_weight is not None,
+        PARTS=parts,
         BLOCK=REDUCE_BLOCK,
         num_warps=4,
     )  # fmt: skip
@@ -844,11 +851,12 @@ def reduced_parts(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: 
     return ce_part, z_loss, _accuracy(pred, target, opts) if want_accuracy else None, loss
 
 
-def reduced_with_divisors(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool):
+def reduced_with_divisors(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, parts=True):
     """``reduced_parts``, then "mean"'s divisors (weights, count) ((), "sum"); where the rows reduce on the device,
-    the divisors are found in the sums' launch."""
+    the divisors are found in the sums' launch, and without ``parts`` only the loss is written (its parts
+    None)."""
     if opts.reduction == "mean" and reduces_on_device(ce):
-        ce_part, z_loss, loss, divisors = _sums_triton(ce, z, None, target, ce_weight, opts)
+        ce_part, z_loss, loss, divisors = _sums_triton(ce, z, None, target, ce_weight, opts, parts)
         return ce_part, z_loss, _accuracy(pred, target, opts) if want_accuracy else None, loss, divisors
     divisors = denominators(target, ce_weight, opts, ce)[:2] if opts.reduction == "mean" else ()
     return (*reduced_parts(ce, z, pred, target, ce_weight, opts, want_accuracy, divisors=divisors or None), divisors)
@@ -942,7 +950,7 @@ class _EagerReduced(torch.autograd.Function):
     def forward(ctx, logits, target, ce_weight, opts, want_pred, want_accuracy, loss_out=False):
         lse, ce, z, pred = _rows_forward(logits, target, ce_weight, opts, want_pred)
         ce_part, z_loss, accuracy, loss, divisors = reduced_with_divisors(
-            ce, z, pred, target, ce_weight, opts, want_accuracy
+            ce, z, pred, target, ce_weight, opts, want_accuracy, parts=not loss_out
         )
         # Without class weights both divisors are the count: saved once, divided by once.
         ctx.save_for_backward(logits, target, ce_weight, lse, *divisors[ce_weight is None :])
@@ -950,8 +958,8 @@ class _EagerReduced(torch.autograd.Function):
         if accuracy is not None or pred is not None:
             ctx.mark_non_differentiable(*[t for t in (accuracy, pred) if t is not None])
         ctx.set_materialize_grads(False)
-        if loss_out:
-            return (ce_part + z_loss if loss is None else loss), z_loss, accuracy, pred
+        if loss_out:  # (z_loss not written on the device, and not handed out)
+            return (ce_part + z_loss if loss is None else loss), None, accuracy, pred
         return ce_part, z_loss, accuracy, pred
 
     @staticmethod
