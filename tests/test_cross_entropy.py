@@ -150,7 +150,19 @@ def test_the_common_case_returns_what_the_checked_path_does(lk, reduction, backe
     assert len(checked) == 1
     assert torch.equal(loss, want)
     d_loss = torch.tensor(1.7)
-    assert torch.equal(torch.autograd.grad(loss, x, d_loss)[0], torch.autograd.grad(want, x3, d_loss)[0][0])
+    (grad,) = torch.autograd.grad(loss, x, d_loss)
+    assert torch.equal(grad, torch.autograd.grad(want, x3, d_loss)[0][0])
+    # layouts the kernels cannot read as they are take the checks (and a contiguous copy): the same loss and
+    # gradient as the contiguous tensors'
+    column_strided = rows.t().contiguous().t()
+    strided_target = torch.stack((target, target), 1)[:, 0]
+    assert column_strided.stride(1) != 1 and strided_target.stride(0) != 1
+    for logits, labels in ((column_strided, target), (rows, strided_target)):
+        checked.clear()
+        x_strided = logits.clone(memory_format=torch.preserve_format).requires_grad_()
+        got = ce.cross_entropy(x_strided, labels, **options)
+        assert len(checked) == 1 and torch.equal(got, loss)
+        assert torch.equal(torch.autograd.grad(got, x_strided, d_loss)[0], grad)
     for bad, error, message in (
         ({"target": target.clone().fill_(29)}, ValueError, "values must be in \\[0, 29\\)"),
         ({"ignore_index": 1.5}, TypeError, "`ignore_index` must be an int"),

@@ -693,7 +693,9 @@ def back_to_back_rows(copy_bytes_per_s: float, cfg, device, peers) -> list:
                 few, many = step_pass_ms(nodes), step_pass_ms(PASS_NODES * nodes)
                 row["bwd_node_ms"] = (many - few) / ((PASS_NODES - 1) * nodes)
                 for phase in ("fwd", "bwd", "bwd_step", "bwd_node"):
-                    if copy_bytes_per_s:
+                    # (a difference of two medians, bwd_node can come out at or under 0 where the timings are
+                    # noise, as on the CPU's smoke test: no share of the ceiling then)
+                    if copy_bytes_per_s and row[f"{phase}_ms"] > 0:
                         seconds = row[f"{phase}_ms"] * 1e-3
                         moved = row["fwd_bytes"] if phase == "fwd" else row["bwd_bytes"]
                         row[f"{phase}_pct"] = 100 * moved / seconds / copy_bytes_per_s

@@ -580,17 +580,22 @@ def _sums_triton(ce, z, divisors, target=None, ce_weight=None, opts: Options | N
     loss = new((), **like)
     ce_part, z_loss = (new((), **like), new((), **like)) if parts else (None, None)
     found = divisors is None
+    # What the kernel reads only with DIVISORS and HAS_CE_WEIGHT (stood in for by ce where it does not), and
+    # where it writes the divisors it finds
+    target_arg, weights_arg, n_classes, ignore_index = ce, ce, 0, 0
     if found:
+        target_arg, ignore_index = target, opts.ignore_index
         count = new((), **like)
-        divisors = (count if ce_weight is None else new((), **like), count)
+        divisors = (count, count)
+        if ce_weight is not None:
+            weights_arg, n_classes = ce_weight, ce_weight.shape[0]
+            divisors = (new((), **like), count)
     weights, count = divisors[:2] if divisors else (ce, ce)
     launch(
         _sums_kernel,
         (1,),
         (ce, z, weights, count, loss if ce_part is None else ce_part, loss if z_loss is None else z_loss, loss,
-         target if found else ce,
-         ce if ce_weight is None or not found else ce_weight, ce.numel(),
-         ce_weight.shape[0] if found and ce_weight is not None else 0, opts.ignore_index if found else 0),
+         target_arg, weights_arg, ce.numel(), n_classes, ignore_index),
         MEAN=bool(divisors),
         DIVISORS=found,
         HAS_CE_WEIGHT=found and ce_weight is not None,
@@ -1132,8 +1137,11 @@ def cross_entropy(
         # The common case in one expression: plain 2-D logits whose classes are contiguous, 1-D int64 targets, no
         # class weights, the loss alone, reduced, in eager mode (not compiled, exported, traced, transformed or
         # under forward AD): what the checks and the route below accept and where they send it, without their
-        # calls (the host's time per call, NOTES.md §33).
-        type(logits) is _Tensor
+        # calls (the host's time per call, NOTES.md §33). The tracers' questions first: torch.jit.trace would warn
+        # on the shape comparisons.
+        not torch.compiler.is_compiling()
+        and not _backend.exporting()
+        and type(logits) is _Tensor
         and type(target) is _Tensor
         and ce_weight is None
         and return_z_loss is False
@@ -1150,8 +1158,6 @@ def cross_entropy(
         and logits.stride(1) == 1
         and target.is_contiguous()
         and target.device == logits.device
-        and not torch.compiler.is_compiling()
-        and not _backend.exporting()
         and not _backend.forward_ad_active()
         and not _are_transforms_active()
         and not _is_wrapped(logits)  # (dead wrappers too, which the route sends to the composite)
