@@ -185,15 +185,40 @@ def test_the_gradient_divides_its_scales_as_pytorch(lk, weighted, backend_name):
     target[2] = -100
     ce_weight = torch.rand(37, generator=generator) + 0.5 if weighted else None
     total = ce.class_weight_total(ce_weight)
-    opts = ce.Options(lse_square_scale=1e-2, label_smoothing=0.05)
-    lse = ce.row_stats(logits, target, ce_weight, total, opts, False)[0]
     d, rows = torch.tensor(1.3), torch.rand(9, generator=generator) + 0.5
     weights, count = torch.tensor(7.7), torch.tensor(3.0)
-    for ce_scale, z_scale, by in ((d, d, (weights, count)), (d, rows, (None, count)), (rows, d, (weights, None))):
-        got = ce.row_grad(logits, target, ce_weight, total, lse, ce_scale, z_scale, opts, divisors=by)
-        divided = [s if b is None else s / b for s, b in zip((ce_scale, z_scale), by)]
-        want = ce.row_grad(logits, target, ce_weight, total, lse, *divided, opts)
-        assert torch.equal(got, want), by
+    for opts in (
+        ce.Options(lse_square_scale=1e-2, label_smoothing=0.05),
+        ce.Options(lse_square_scale=1e-2, use_token_scaling=True),  # divided before the scaling by p_y
+    ):
+        lse = ce.row_stats(logits, target, ce_weight, total, opts, False)[0]
+        for ce_scale, z_scale, by in (
+            (d, d, (weights, count)),
+            (d, d, (count, count)),
+            (d, rows, (None, count)),
+            (rows, d, (weights, None)),
+        ):
+            got = ce.row_grad(logits, target, ce_weight, total, lse, ce_scale, z_scale, opts, divisors=by)
+            divided = [s if b is None else s / b for s, b in zip((ce_scale, z_scale), by)]
+            want = ce.row_grad(logits, target, ce_weight, total, lse, *divided, opts)
+            assert torch.equal(got, want), (opts, by)
+
+
+def test_an_absent_gradient_is_not_divided(lk, backend_name):
+    """Only z_loss in the graph, with class weights of 0 for every class (W = 0): the loss's absent gradient is
+    zeros that "mean" must not divide by W (0 / 0); the gradient is z_loss's, finite, as float64's."""
+    generator = torch.Generator().manual_seed(8)
+    logits = torch.randn(5, 11, generator=generator)
+    target = torch.randint(0, 11, (5,), generator=generator)
+    target[1] = -100
+    x = logits.clone().requires_grad_()
+    out = lk.cross_entropy.cross_entropy(x, target, torch.zeros(11), lse_square_scale=1e-2, return_z_loss=True)
+    (got,) = torch.autograd.grad(out.z_loss * 3.0, x)
+    x64 = logits.double().requires_grad_()
+    kept = target != -100
+    want_z = 1e-2 * torch.logsumexp(x64, -1)[kept].square().sum() / kept.sum()
+    (want,) = torch.autograd.grad(want_z * 3.0, x64)
+    assert torch.isfinite(got).all() and rel_err(got, want) < 1e-6
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -789,8 +789,10 @@ def row_grad(
         _rows_triton(logits, target, ce_weight, weight_total, opts, grad=grad, lse=lse, scales=scales)
     else:
         ce_divisor, z_divisor = divisors
-        ce_scale = ce_scale if ce_divisor is None else ce_scale / ce_divisor
-        z_scale = z_scale if z_divisor is None else z_scale / z_divisor
+        divided = ce_scale if ce_divisor is None else ce_scale / ce_divisor
+        if z_divisor is not None:  # (the loss's gradient alone, over the count twice: one division)
+            z_scale = divided if z_scale is ce_scale and z_divisor is ce_divisor else z_scale / z_divisor
+        ce_scale = divided
         result = grad_torch(logits, target, ce_weight, lse, ce_scale, z_scale, opts, out=grad)
         if result.data_ptr() != grad.data_ptr():
             grad.copy_(result)
@@ -957,7 +959,7 @@ class _EagerReduced(torch.autograd.Function):
         ce_part, z_loss, accuracy, loss, divisors = reduced_with_divisors(
             ce, z, pred, target, ce_weight, opts, want_accuracy, parts=not loss_out
         )
-        # Without class weights both divisors are the count: saved once, divided by once.
+        # Without class weights both divisors are the count: saved once.
         ctx.save_for_backward(logits, target, ce_weight, lse, *divisors[ce_weight is None :])
         ctx.opts, ctx.loss_out = opts, loss_out
         if accuracy is not None or pred is not None:
