@@ -172,6 +172,16 @@ def legacy_batched(t) -> bool:
     return not torch.compiler.is_compiling() and torch._C._functorch.is_legacy_batchedtensor(t)
 
 
+def refuse_batched_gradients(op: str, *d_outs, instead: str = "compute one gradient per call") -> None:
+    """The clear error of a backward that cannot take gradients batched by PyTorch's legacy vmap
+    (``legacy_batched``) among ``d_outs`` (None: no gradient)."""
+    for d in d_outs:  # (legacy_batched's test inline: a loss's backward asks it on every call)
+        if d is not None and not torch.compiler.is_compiling() and torch._C._functorch.is_legacy_batchedtensor(d):
+            raise RuntimeError(
+                f"{op} does not support batched gradients (is_grads_batched=True, jacobian(vectorize=True)); " + instead
+            )
+
+
 def forward_ad_active() -> bool:
     """Whether a forward-mode AD dual level is open (``torch.autograd.forward_ad``). The kernels have no JVP, and
     a dual tensor's tangent would not survive them: the ops run their differentiable PyTorch form instead."""

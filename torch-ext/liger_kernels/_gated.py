@@ -276,18 +276,18 @@ def _backward_torch(d_out, gate, up, activation, gate_multiplier, down_multiplie
 def gated_forward(gate, up, activation, gate_multiplier=1.0, down_multiplier=1.0) -> torch.Tensor:
     """``act(gate_multiplier * gate) * up * down_multiplier`` for validated inputs, without autograd."""
     n = gate.numel()
-    if n and gate.is_contiguous() and up.is_contiguous() and use_triton(gate):
-        # The common case in one frame: what _forward_triton does with contiguous tensors, which _as_rows passes
+    if n == 0:
+        return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if not use_triton(gate):
+        return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
+    if gate.is_contiguous() and up.is_contiguous():
+        # The common case in this frame: what _forward_triton does with contiguous tensors, which _as_rows passes
         # as one row of n columns (as backward_from_ctx does for the backward; NOTES.md §33).
         out = _backend.new_like(gate)
         plan = _plan(activation.triton_value, None, 1, n, _CONTIGUOUS[:3])
         launch_prepared(_gated_forward_kernel, (gate, up, out), plan, (gate_multiplier, down_multiplier))
         return out
-    if n == 0:
-        return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if use_triton(gate):
-        return _forward_triton(gate, up, activation, gate_multiplier, down_multiplier)
-    return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
+    return _forward_triton(gate, up, activation, gate_multiplier, down_multiplier)
 
 
 def gated_backward(
@@ -457,18 +457,20 @@ def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplie
 
 def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     gate, up = ctx.saved_tensors
-    # The common case in one frame: what gated_backward and _backward_triton do for contiguous tensors of one
+    args = (ctx.activation, ctx.gate_multiplier, ctx.down_multiplier)
+    if torch.is_grad_enabled() or _backend.exporting() or transforms_active(d_out, gate, up):
+        d_gate, d_up = _backward_torch(d_out, gate, up, *args, differentiable=torch.is_grad_enabled())
+    # The common case in this frame: what gated_backward and _backward_triton do for contiguous tensors of one
     # shape and dtype on the Triton path, without their layers of calls (on the H200 machine's host a Python
     # call costs about half a µs, and those layers were a fifth of a node's host time: NOTES.md §32). Anything
     # else takes them.
-    if (
+    elif (
         d_out.is_contiguous()
         and gate.is_contiguous()
         and up.is_contiguous()
         and d_out.dtype is gate.dtype
         and d_out.shape == gate.shape
         and gate.numel()
-        and not (torch.is_grad_enabled() or _backend.exporting() or transforms_active(d_out, gate, up))
         and use_triton(gate)
     ):
         in_place = ctx.in_place and not graph_is_retained()
@@ -480,11 +482,7 @@ def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | N
             torch.autograd.graph.increment_version(gate)
             torch.autograd.graph.increment_version(up)
     else:
-        args = (ctx.activation, ctx.gate_multiplier, ctx.down_multiplier)
-        if torch.is_grad_enabled() or _backend.exporting() or transforms_active(d_out, gate, up):
-            d_gate, d_up = _backward_torch(d_out, gate, up, *args, differentiable=torch.is_grad_enabled())
-        else:
-            d_gate, d_up = gated_backward(d_out, gate, up, *args, ctx.in_place and not graph_is_retained())
+        d_gate, d_up = gated_backward(d_out, gate, up, *args, ctx.in_place and not graph_is_retained())
     needs = ctx.needs_input_grad
     return (d_gate if needs[0] else None), (d_up if needs[1] else None)
 

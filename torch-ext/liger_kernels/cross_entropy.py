@@ -915,12 +915,7 @@ def refuse_in_backward(*d_outs) -> None:
     tensors no kernel can read and whose batching the rows' in-place gradient does not support)."""
     if torch.is_grad_enabled():
         raise RuntimeError(f"{OP}: double backward (create_graph=True) is not supported")
-    for d in d_outs:
-        if d is not None and _backend.legacy_batched(d):
-            raise RuntimeError(
-                f"{OP}: batched gradients (is_grads_batched=True, jacobian(vectorize=True)) are not supported; "
-                "compute one gradient per call"
-            )
+    _backend.refuse_batched_gradients(OP, *d_outs)
 
 
 class _EagerRows(torch.autograd.Function):

@@ -416,11 +416,7 @@ def _scaled(grad, d_loss, in_place: bool):
 def _backward(ctx, d_loss):
     if torch.is_grad_enabled():
         raise RuntimeError(DOUBLE_BACKWARD)
-    if _backend.legacy_batched(d_loss):
-        raise RuntimeError(
-            f"{OP}: batched gradients (is_grads_batched=True, jacobian(vectorize=True)) are not supported; "
-            "compute one gradient per call"
-        )
+    _backend.refuse_batched_gradients(OP, d_loss)
     opts, dtype, accum_dtype, needs = ctx.args
     if opts.reduction == "none":
         input, weight, target, bias, ce_weight, lse = ctx.saved_tensors

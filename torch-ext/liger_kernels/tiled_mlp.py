@@ -375,11 +375,12 @@ class LigerTiledMLPFunction(torch.autograd.Function):
                 "recomputes each shard and returns first-order gradients only. Use the untiled layer "
                 "(LigerSwiGLUMLP / LigerGEGLUMLP) for higher-order gradients."
             )
-        if _backend.legacy_batched(d_out):  # its shards' gradients are written into one buffer, in place
-            raise RuntimeError(
-                "liger-kernels LigerTiledMLPFunction does not support batched gradients (is_grads_batched=True, "
-                "jacobian(vectorize=True)): compute one gradient per call, or run the layer untiled (tile=False)"
-            )
+        # (its shards' gradients are written into one buffer, in place)
+        _backend.refuse_batched_gradients(
+            "liger-kernels LigerTiledMLPFunction",
+            d_out,
+            instead="compute one gradient per call, or run the layer untiled (tile=False)",
+        )
         saved_by = ctx.saved_by
         # One unpack per backward: a checkpoint hands each saved tensor out once per backward.
         x = (saved_by.saved_tensors if saved_by is not None else ctx.saved_tensors)[0]
