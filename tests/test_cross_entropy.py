@@ -78,6 +78,42 @@ def test_batched_bf16_logits_and_retained_graph(lk, reduction, backend_name):
     assert rel_err(first, ref) <= torch.finfo(torch.bfloat16).eps, f"grad: {rel_err(first, ref):.3e}"
 
 
+def test_calls_of_one_shape_launch_with_their_own_options(lk):
+    """The Triton path launches from plans made once per layout and options (NOTES.md §34). Calls of one shape
+    that differ only in an option, the reduction or the z-loss handed out, one after another in both orders,
+    must each get their own kernels' constexprs: a plan keyed without one of them hands a later call an
+    earlier call's, and the loss, the z-loss, the accuracy or the gradient comes out wrong."""
+    skip_unless_runnable("triton")
+    configs = [(case, reduction, False) for case in CASES for reduction in REDUCTIONS]
+    configs += [(case, "mean", True) for case in CASES]  # (the z-loss and the accuracy handed out)
+    with backend("triton"):
+        for order in (configs, configs[::-1]):
+            for case, reduction, extras in order:
+                logits, target, ce_weight, options = logits_and_options(case)
+                out = lk.cross_entropy.cross_entropy(
+                    logits,
+                    target,
+                    ce_weight,
+                    reduction=reduction,
+                    return_z_loss=extras,
+                    return_token_accuracy=extras,
+                    **options,
+                )
+                loss = out.loss if extras else out
+                logits64 = logits.detach().double().requires_grad_()
+                want = reference_loss(logits64, target, reduction, ce_weight, **options)
+                (got,) = torch.autograd.grad(loss, logits, incoming(loss, 4))
+                (ref,) = torch.autograd.grad(want, logits64, incoming(loss, 4).double())
+                what = f"{case}, {reduction}, extras handed out: {extras}"
+                assert rel_err(loss, want) <= FP32_BOUND and rel_err(got, ref) <= FP32_BOUND, what
+                if extras:
+                    want_z = reference_z_loss(logits64, target, reduction, ce_weight, **options)
+                    assert rel_err(out.z_loss, want_z) <= FP32_BOUND or not want_z.any() and not out.z_loss.any(), what
+                    kept = target != options.get("ignore_index", -100)
+                    accuracy = ((logits.detach().argmax(-1) == target) & kept).sum() / kept.sum()
+                    assert out.token_accuracy.item() == pytest.approx(accuracy.item(), abs=1e-7), what
+
+
 def test_logits_are_never_written(lk, backend_name):
     logits, target, ce_weight, options = logits_and_options("everything")
     before = logits.detach().clone()

@@ -120,6 +120,29 @@ class Prepared:
             self.key = None
 
 
+class Plans:
+    """A call site's ``Prepared`` plans by its own key, made once per key: ``plans.get(key) or plans.add(key,
+    grid, scalars, **meta)`` builds the constexprs' dict only on a miss. The key must determine the plan: ints,
+    bools and strings, each always in the same place (so that ``True`` and ``1`` never meet), never a float
+    (``-0.0 == 0.0``: a plan made for one would pass it for the other; floats go as ``launch_prepared``'s
+    trailing arguments). Bounded, because varying lengths meet many layouts."""
+
+    __slots__ = ("plans", "get")
+
+    def __init__(self):
+        self.plans = {}
+        self.get = self.plans.get
+
+    def add(self, key, grid: tuple, scalars: tuple, **meta) -> Prepared:
+        if len(self.plans) >= MAX_PLANS:
+            self.plans.clear()
+        plan = self.plans[key] = Prepared(grid, scalars, **meta)
+        return plan
+
+
+MAX_PLANS = 1024
+
+
 class _Token:
     """A ``Prepared`` share's place in the launch key (hashed and compared by identity)."""
 

@@ -39,7 +39,7 @@ import torch
 
 from . import _backend
 from ._backend import constexpr, jit, tl, use_triton
-from ._launch import launch
+from ._launch import Plans, launch_prepared
 
 REDUCTIONS = ("mean", "sum", "none")
 MAX_BLOCK = 4096  # vocabulary columns per loop step: 16 per thread at 8 warps
@@ -168,9 +168,7 @@ def _capped(x, softcap, SOFTCAP: constexpr):
 @jit
 def _ce_rows_kernel(
     logits_ptr,
-    logits_row_stride,
     grad_ptr,
-    grad_row_stride,
     target_ptr,
     ce_weight_ptr,
     weight_total_ptr,
@@ -179,11 +177,13 @@ def _ce_rows_kernel(
     z_ptr,
     pred_ptr,
     ce_scale_ptr,
-    ce_scale_stride,
     z_scale_ptr,
-    z_scale_stride,
     ce_divisor_ptr,
     z_divisor_ptr,
+    logits_row_stride,
+    grad_row_stride,
+    ce_scale_stride,
+    z_scale_stride,
     n_cols,
     ignore_index,
     lse_square_scale,
@@ -329,25 +329,11 @@ def _blocks(n_cols: int) -> dict:
     return {"BLOCK": block, "N_BLOCKS": -(-n_cols // block)}
 
 
-def _option_arguments(opts: Options, ce_weight, weight_total, dummy):
-    """The options both kernels take: the class-weight pointers (``dummy`` for absent ones, never dereferenced
-    when the flag is off), the runtime scalars (in the kernels' order) and the constexpr flags."""
-    weights = (dummy if ce_weight is None else ce_weight, dummy if weight_total is None else weight_total)
-    scalars = (opts.ignore_index, opts.lse_square_scale, opts.label_smoothing, opts.softcap or 1.0)
-    flags = {
-        "HAS_CE_WEIGHT": ce_weight is not None,
-        "SOFTCAP": opts.softcap is not None,
-        "SMOOTHING": opts.label_smoothing > 0,
-        "TOKEN_SCALING": opts.use_token_scaling,
-    }
-    return weights, scalars, flags
-
-
 def _rows_triton(logits, target, ce_weight, weight_total, opts: Options, stats=None, grad=None, lse=None, scales=None):
     """``_ce_rows_kernel`` over the rows of ``logits``: ``stats`` = (lse, ce, z, pred or None) to write them,
     ``grad`` (may be ``logits``) with ``scales`` = (ce_scale, z_scale), or (ce_scale, z_scale, ce_divisor,
     z_divisor) with 0-d divisors of the scales (None: undivided), to write the gradient, from ``lse`` when
-    ``stats`` is None. Absent tensors are stood in for by others, never dereferenced."""
+    ``stats`` is None. Absent tensors are stood in for by others (``lse``), never dereferenced."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -365,23 +351,48 @@ def _rows_triton(logits, target, ce_weight, weight_total, opts: Options, stats=N
         if divisors:
             ce_divisor, z_divisor = divisors
         ce_stride, z_stride = _row_stride(ce_scale), _row_stride(z_scale)
-    weights, scalars, flags = _option_arguments(opts, ce_weight, weight_total, lse)
-    launch(
+    ints = (logits_stride, grad_stride, ce_stride, z_stride, n_cols, opts.ignore_index)
+    flags = (
+        ce_weight is not None,
+        opts.softcap is not None,
+        opts.label_smoothing > 0,
+        opts.use_token_scaling,
+        opts.lse_square_scale != 0.0,
+        stats is not None and pred is not None,
+        stats is not None,
+        writes_grad,
+        ce_divisor is not None,
+        z_divisor is not None,
+    )
+    key = (n_rows, *ints, *flags)
+    plan = _ROWS_PLANS.get(key) or _ROWS_PLANS.add(
+        key, (n_rows,), ints, **dict(zip(_ROWS_FLAGS, flags)), **_blocks(n_cols), num_warps=NUM_WARPS
+    )
+    launch_prepared(
         _ce_rows_kernel,
-        (n_rows,),
-        (logits, logits_stride, grad, grad_stride, target, *weights, lse, ce, z, lse if pred is None else pred,
-         ce_scale, ce_stride, z_scale, z_stride, lse if ce_divisor is None else ce_divisor,
-         lse if z_divisor is None else z_divisor, n_cols, *scalars),
-        **flags,
-        Z_LOSS=opts.lse_square_scale != 0.0,
-        STORE_PRED=stats is not None and pred is not None,
-        STATS=stats is not None,
-        GRAD=writes_grad,
-        DIVIDE_CE=ce_divisor is not None,
-        DIVIDE_Z=z_divisor is not None,
-        **_blocks(n_cols),
-        num_warps=NUM_WARPS,
+        (logits, grad, target, lse if ce_weight is None else ce_weight, lse if weight_total is None else weight_total,
+         lse, ce, z, lse if pred is None else pred, ce_scale, z_scale, lse if ce_divisor is None else ce_divisor,
+         lse if z_divisor is None else z_divisor),
+        plan,
+        (opts.lse_square_scale, opts.label_smoothing, opts.softcap or 1.0),
     )  # fmt: skip
+
+
+# Launch plans per layout and options (NOTES.md §34): keyed argument by argument at each launch, the rows kernel's
+# 22 arguments cost the host three times what the gated kernel's launch does.
+_ROWS_PLANS, _SUMS_PLANS, _DIVISORS_PLANS = Plans(), Plans(), Plans()
+_ROWS_FLAGS = (
+    "HAS_CE_WEIGHT",
+    "SOFTCAP",
+    "SMOOTHING",
+    "TOKEN_SCALING",
+    "Z_LOSS",
+    "STORE_PRED",
+    "STATS",
+    "GRAD",
+    "DIVIDE_CE",
+    "DIVIDE_Z",
+)
 
 
 # The reductions on the Triton path, each one program looping over the rows (the same sums on every run: no
@@ -534,6 +545,9 @@ def _sums_kernel(
     tl.store(loss_ptr, ce_part + z_loss)
 
 
+_SUMS_FLAGS = ("MEAN", "DIVISORS", "HAS_CE_WEIGHT", "PARTS")
+
+
 def reduces_on_device(rows: torch.Tensor) -> bool:
     """Whether the reductions of these loss rows run as the kernels above: rows of the eager Functions' forward,
     on the Triton path. Rows that a graph records keep PyTorch's ops: autograd's (rows requiring grad), a
@@ -558,16 +572,13 @@ def _divisors_triton(target, ce_weight, opts: Options, rows):
         weights, inv_weights = count, inv_count
     else:
         weights, inv_weights = new((), **like), new((), **like)
-    n_classes = 0 if ce_weight is None else ce_weight.shape[0]
-    launch(
-        _divisors_kernel,
-        (1,),
-        (target, rows if ce_weight is None else ce_weight, weights, count, inv_weights, inv_count, target.numel(),
-         n_classes, opts.ignore_index),
-        HAS_CE_WEIGHT=ce_weight is not None,
-        BLOCK=REDUCE_BLOCK,
-        num_warps=4,
-    )  # fmt: skip
+    ints = (target.numel(), 0 if ce_weight is None else ce_weight.shape[0], opts.ignore_index)
+    key = (*ints, ce_weight is not None)
+    plan = _DIVISORS_PLANS.get(key) or _DIVISORS_PLANS.add(
+        key, (1,), ints, HAS_CE_WEIGHT=ce_weight is not None, BLOCK=REDUCE_BLOCK, num_warps=4
+    )
+    tensors = (target, rows if ce_weight is None else ce_weight, weights, count, inv_weights, inv_count)
+    launch_prepared(_divisors_kernel, tensors, plan)
     return weights, count, inv_weights, inv_count
 
 
@@ -591,18 +602,13 @@ def _sums_triton(ce, z, divisors, target=None, ce_weight=None, opts: Options | N
             weights_arg, n_classes = ce_weight, ce_weight.shape[0]
             divisors = (new((), **like), count)
     weights, count = divisors[:2] if divisors else (ce, ce)
-    launch(
-        _sums_kernel,
-        (1,),
-        (ce, z, weights, count, loss if ce_part is None else ce_part, loss if z_loss is None else z_loss, loss,
-         target_arg, weights_arg, ce.numel(), n_classes, ignore_index),
-        MEAN=bool(divisors),
-        DIVISORS=found,
-        HAS_CE_WEIGHT=found and ce_weight is not None,
-        PARTS=parts,
-        BLOCK=REDUCE_BLOCK,
-        num_warps=4,
-    )  # fmt: skip
+    ints, flags = (ce.numel(), n_classes, ignore_index), (bool(divisors), found, found and ce_weight is not None, parts)
+    key = (*ints, *flags)
+    plan = _SUMS_PLANS.get(key) or _SUMS_PLANS.add(
+        key, (1,), ints, **dict(zip(_SUMS_FLAGS, flags)), BLOCK=REDUCE_BLOCK, num_warps=4
+    )
+    tensors = (ce, z, weights, count, loss if ce_part is None else ce_part, loss if z_loss is None else z_loss, loss)
+    launch_prepared(_sums_kernel, (*tensors, target_arg, weights_arg), plan)
     return (ce_part, z_loss, loss, divisors) if found else (ce_part, z_loss, loss)
 
 
@@ -831,26 +837,31 @@ def denominators(target, ce_weight, opts: Options, rows):
     return torch.where(kept, ce_weight.to(rows.dtype)[y], 0.0).sum(), count
 
 
-def reduce_rows(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, rows_shape, divisors=None):
+def reduce_rows(
+    ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, rows_shape, divisors=None, want_z_loss=True
+):
     """(loss, z_loss, token_accuracy) from the row tensors, reduced as ``opts.reduction`` says; ``divisors``:
-    ``denominators``' result where the caller has it already."""
+    ``denominators``' result where the caller has it already. Without ``want_z_loss`` z_loss may be None."""
     if opts.reduction == "none":
         accuracy = None
         if want_accuracy:
             accuracy = ((pred == target) & (target != opts.ignore_index)).to(torch.float32).view(rows_shape)
         return (ce + z).view(rows_shape), z.view(rows_shape), accuracy
-    ce_part, z_loss, accuracy, loss = reduced_parts(ce, z, pred, target, ce_weight, opts, want_accuracy, divisors)
+    ce_part, z_loss, accuracy, loss = reduced_parts(
+        ce, z, pred, target, ce_weight, opts, want_accuracy, divisors, parts=want_z_loss
+    )
     return ce_part + z_loss if loss is None else loss, z_loss, accuracy
 
 
-def reduced_parts(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, divisors=None):
+def reduced_parts(ce, z, pred, target, ce_weight, opts: Options, want_accuracy: bool, divisors=None, parts=True):
     """ "mean" or "sum": (the cross-entropy's share of the loss, z_loss, token_accuracy, the loss); the loss is
-    the first plus the second, None where the caller is to add them (the PyTorch path)."""
+    the first plus the second, None where the caller is to add them (the PyTorch path). Without ``parts`` the
+    parts may be None (the device's sums then write the loss alone)."""
     loss = None
     if opts.reduction == "mean" and divisors is None:
         divisors = denominators(target, ce_weight, opts, ce)
     if reduces_on_device(ce):
-        ce_part, z_loss, loss = _sums_triton(ce, z, divisors if opts.reduction == "mean" else ())
+        ce_part, z_loss, loss = _sums_triton(ce, z, divisors if opts.reduction == "mean" else (), parts=parts)
     elif opts.reduction == "sum":
         z_loss, ce_part = z.sum(), ce.sum()
     else:

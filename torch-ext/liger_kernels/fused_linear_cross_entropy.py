@@ -37,7 +37,7 @@ from . import _backend, _replay
 from . import cross_entropy as _ce
 from ._backend import constexpr, jit, tl, use_triton
 from ._grad_sums import matmul_into
-from ._launch import launch
+from ._launch import Plans, launch_prepared
 from .cross_entropy import CrossEntropyOutput, Options
 
 __all__ = ["CrossEntropyOutput", "LigerFusedLinearCrossEntropyFunction", "liger_fused_linear_cross_entropy"]
@@ -110,14 +110,18 @@ def _validate(
     ce_weight = _ce.check_class_weight(ce_weight, vocab, input.device, op)
     if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
         raise TypeError(f"{op}: `accum_dtype` must be None or a floating torch.dtype, got {accum_dtype!r}")
-    flags = tuple(
-        _ce.check_flag(v, a, op)
-        for a, v in (
-            ("return_z_loss", return_z_loss),
-            ("return_token_accuracy", return_token_accuracy),
-            ("return_predicted_tokens", return_predicted_tokens),
+    flags = (return_z_loss, return_token_accuracy, return_predicted_tokens)
+    if not (
+        type(return_z_loss) is bool and type(return_token_accuracy) is bool and type(return_predicted_tokens) is bool
+    ):
+        flags = tuple(
+            _ce.check_flag(v, a, op)
+            for a, v in (
+                ("return_z_loss", return_z_loss),
+                ("return_token_accuracy", return_token_accuracy),
+                ("return_predicted_tokens", return_predicted_tokens),
+            )
         )
-    )
     if ce_weight is not None and not ce_weight.is_contiguous():
         ce_weight = ce_weight.contiguous()
     return opts, dtype, ce_weight, flags
@@ -277,10 +281,22 @@ def _returned_weight(grad_w, weight):
 
 
 def forward_core(
-    input, weight, target, bias, ce_weight, opts: Options, dtype, accum_dtype, want_pred, want_accuracy, needs
+    input,
+    weight,
+    target,
+    bias,
+    ce_weight,
+    opts: Options,
+    dtype,
+    accum_dtype,
+    want_pred,
+    want_accuracy,
+    needs,
+    want_z_loss=True,
 ):
     """(loss, z_loss, token_accuracy, pred, lse, grad_input, grad_weight, grad_bias); the gradients are those of
-    the loss (for an incoming gradient of 1) when reduction is "mean" or "sum" and ``needs`` asks, else None."""
+    the loss (for an incoming gradient of 1) when reduction is "mean" or "sum" and ``needs`` asks, else None.
+    Without ``want_z_loss`` z_loss may be None."""
     x, w, t, b = _prepare(input, weight, target, bias, dtype)
     n_rows, device = x.shape[0], x.device
     loss_dtype = _ce.compute_dtype(dtype)
@@ -304,7 +320,7 @@ def forward_core(
             _accumulate(logits, x_rows, w, grad_x_rows, grad_w, grad_b, start == 0)
         del logits  # the chunk buffer goes before the gradients are converted
     loss, z_loss, accuracy = _ce.reduce_rows(
-        ce, z, pred, t, ce_weight, opts, want_accuracy, target.shape, divisors=divisors
+        ce, z, pred, t, ce_weight, opts, want_accuracy, target.shape, divisors=divisors, want_z_loss=want_z_loss
     )
     return (
         loss,
@@ -351,11 +367,24 @@ DOUBLE_BACKWARD = (
 )
 
 
-def _forward(ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy):
+def _forward(
+    ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy, want_z_loss=True
+):
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
     with _no_autocast(input.device.type):
         loss, z_loss, accuracy, pred, lse, *grads = forward_core(
-            input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy, needs
+            input,
+            weight,
+            target,
+            bias,
+            ce_weight,
+            opts,
+            dtype,
+            accum_dtype,
+            want_pred,
+            want_accuracy,
+            needs,
+            want_z_loss,
         )
     ctx.args = (opts, dtype, accum_dtype, needs)
     if opts.reduction == "none":
@@ -387,6 +416,9 @@ def _scale_kernel(grad_ptr, d_loss_ptr, out_ptr, n_elements, IN_PLACE: constexpr
         tl.store(out_ptr + offsets, (grad * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_SCALE_PLANS = Plans()
+
+
 def _scaled(grad, d_loss, in_place: bool):
     """``grad * d_loss`` for a 0-d ``d_loss``; with ``in_place``, written over ``grad`` without bumping its version
     (see ``_backward``). The kernel runs where Triton takes the gradient: not for fp64 gradients (autocast hands
@@ -404,8 +436,11 @@ def _scaled(grad, d_loss, in_place: bool):
     ):
         n = grad.numel()
         out = grad if in_place else _backend.new_like(grad)
-        grid = ((n + SCALE_BLOCK - 1) // SCALE_BLOCK,)
-        launch(_scale_kernel, grid, (grad, d_loss, out, n), IN_PLACE=in_place, BLOCK=SCALE_BLOCK, num_warps=8)
+        key = (n, in_place)
+        plan = _SCALE_PLANS.get(key) or _SCALE_PLANS.add(
+            key, ((n + SCALE_BLOCK - 1) // SCALE_BLOCK,), (n,), IN_PLACE=in_place, BLOCK=SCALE_BLOCK, num_warps=8
+        )
+        launch_prepared(_scale_kernel, (grad, d_loss, out), plan)
         return out
     if not in_place:
         return grad * d_loss
@@ -435,9 +470,11 @@ def _backward(ctx, d_loss):
 
 class _EagerFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy):
+    def forward(
+        ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy, want_z_loss
+    ):
         loss, z_loss, accuracy, pred = _forward(
-            ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy
+            ctx, input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy, want_z_loss
         )
         ctx.mark_non_differentiable(*[t for t in (z_loss, accuracy, pred) if t is not None])
         ctx.set_materialize_grads(False)  # no zeros made for the gradients of the non-differentiable outputs
@@ -446,9 +483,9 @@ class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_loss, d_z_loss, d_accuracy, d_pred):
         if d_loss is None:  # (the loss is the one differentiable output: not reached in practice)
-            return (None,) * 10
+            return (None,) * 11
         grad_input, grad_weight, grad_bias = _backward(ctx, d_loss)
-        return grad_input, grad_weight, None, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, None, grad_bias, None, None, None, None, None, None, None
 
 
 class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -512,7 +549,7 @@ class LigerFusedLinearCrossEntropyFunction(torch.autograd.Function):
             ctx.compiled = (_backward_op_scalars(scalars), opts.reduction, needs)
         else:
             loss, z_loss, accuracy, pred = _forward(
-                ctx, _input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, flags[2], flags[1]
+                ctx, _input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, flags[2], flags[1], flags[0]
             )
         extras = (
             z_loss if flags[0] else None,
@@ -722,8 +759,11 @@ def _op_backward(ctx, d_loss, *unused):
 torch.library.register_autograd(_forward_op, _op_backward, setup_context=_op_setup_context)
 
 
-def _apply(input, weight, target, bias, ce_weight, opts: Options, dtype, accum_dtype, want_pred, want_accuracy):
-    """(loss, z_loss, token_accuracy, pred) with autograd, for validated inputs."""
+def _apply(
+    input, weight, target, bias, ce_weight, opts: Options, dtype, accum_dtype, want_pred, want_accuracy, want_z_loss
+):
+    """(loss, z_loss, token_accuracy, pred) with autograd, for validated inputs; without ``want_z_loss`` z_loss may be
+    None."""
     if _backend.exporting() or _backend.forward_ad_active():  # aten ops only; dual tensors' tangents
         return composite(input, weight, target, bias, ce_weight, opts, want_pred, want_accuracy)
     if torch.compiler.is_compiling():
@@ -753,11 +793,20 @@ def _apply(input, weight, target, bias, ce_weight, opts: Options, dtype, accum_d
                 want_pred,
                 want_accuracy,
                 (False, False, False),
+                want_z_loss,
             )
         return results[:4]
-    return _EagerFunction.apply(
-        input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy
+    # autograd's C++ apply directly where PyTorch's Python apply would only call it: no torch.func transform active
+    # and no tensor wrapped (the differentiable ones were asked above)
+    plain = not (_transforms_active() or _is_wrapped(target) or ce_weight is not None and _is_wrapped(ce_weight))
+    return (_eager_function if plain else _EagerFunction.apply)(
+        input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy, want_z_loss
     )
+
+
+_eager_function = _backend.c_apply(_EagerFunction)
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 def liger_fused_linear_cross_entropy(
@@ -809,6 +858,6 @@ def liger_fused_linear_cross_entropy(
         return_predicted_tokens,
     )
     loss, z_loss, accuracy, pred = _apply(
-        input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, flags[2], flags[1]
+        input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, flags[2], flags[1], flags[0]
     )
     return _ce.package(loss, z_loss, accuracy, pred, flags, target.shape)
