@@ -69,7 +69,7 @@ def test_every_kernel_in_the_package_is_launched_through_launch(lk):
     assert bypasses == []
     call = re.compile(r"\blaunch(_prepared)?\(\s*_")
     launched = {path.name for path in package.glob("*.py") if call.search(path.read_text())}
-    assert {"_gated.py", "rms_norm.py", "rotary.py", "cross_entropy.py"} <= launched
+    assert {"_gated.py", "rms_norm.py", "rotary.py", "cross_entropy.py", "fused_linear_cross_entropy.py"} <= launched
 
 
 def test_ints_keep_their_class_not_their_value(lk):
@@ -347,3 +347,21 @@ def test_a_prepared_key_determines_tritons_specialization(lk):
         spec = (len(group), tuple(_triton_spec(v) for v in (*group, *trailing)))
         assert seen.setdefault(key, spec) == spec, f"{group}, {trailing}: key also covers {seen[key]}, not {spec}"
     assert 100 < aligned_form < 3900
+
+
+def test_plans_are_made_once_per_key_and_bounded(lk, monkeypatch):
+    """``Plans``: a call site's plan is made on its key's first call and found again by the key after; the map is
+    cleared when full, and the plans made after the clearing are found again."""
+    plans, made = lk._launch.Plans(), []
+
+    def plan(key):
+        return plans.get(key) or made.append(key) or plans.add(key, (4,), (key[1],), BLOCK=16)
+
+    first = plan(("rows", 1))
+    assert plan(("rows", 1)) is first and made == [("rows", 1)]
+    assert (first.grid, first.scalars, first.meta) == ((4,), (1,), {"BLOCK": 16})
+    monkeypatch.setattr(lk._launch, "MAX_PLANS", 2)
+    second = plan(("rows", 2))
+    third = plan(("rows", 3))  # the map held two: cleared first
+    assert plan(("rows", 3)) is third and plan(("rows", 2)) is not second
+    assert made == [("rows", 1), ("rows", 2), ("rows", 3), ("rows", 2)]
