@@ -140,12 +140,18 @@ def _no_autocast(device_type: str):
 
 
 def _prepare(input, weight, target, bias, dtype):
-    # Rows as they are where they already are (each reshape is a dispatched view: host time on small calls).
-    x = (input if input.dim() == 2 else input.reshape(-1, input.shape[-1])).to(dtype)
-    w = weight.to(dtype)
-    b = bias.to(dtype) if bias is not None else None
+    # Rows as they are where they already are: each reshape, and each .to() even where it returns the tensor
+    # itself, is a dispatched call, host time on small calls.
+    x = input if input.dim() == 2 else input.reshape(-1, input.shape[-1])
     t = target if target.dim() == 1 else target.reshape(-1)
-    return x, w, t.to(torch.int64).contiguous(), b
+    if not (t.dtype == torch.int64 and t.is_contiguous()):
+        t = t.to(torch.int64).contiguous()
+    return _as(x, dtype), _as(weight, dtype), t, _as(bias, dtype)
+
+
+def _as(tensor, dtype):
+    """``tensor.to(dtype)`` (None stays None), without the call where it would return the tensor itself."""
+    return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _rows(start, stop, n_rows, *tensors) -> tuple:
@@ -264,7 +270,7 @@ def _accumulate(grad_logits, x_rows, w, grad_x_rows, grad_w, grad_b, first):
 def _returned(grad, like):
     if grad is None:
         return None
-    grad = grad.to(like.dtype)
+    grad = _as(grad, like.dtype)
     return grad if grad.shape == like.shape else grad.view(like.shape)
 
 
