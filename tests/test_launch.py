@@ -365,3 +365,24 @@ def test_plans_are_made_once_per_key_and_bounded(lk, monkeypatch):
     third = plan(("rows", 3))  # the map held two: cleared first
     assert plan(("rows", 3)) is third and plan(("rows", 2)) is not second
     assert made == [("rows", 1), ("rows", 2), ("rows", 3), ("rows", 2)]
+
+
+def test_a_launch_checks_the_globals_its_kernel_read(lk):
+    """The direct launch keeps Triton's check that a global the kernel read still has its compiled value (a
+    changed one sends the launch to ``kernel[grid]``, which raises): the same object or an equal value passes, a
+    changed or deleted global does not, ``tl.constexpr`` globals included."""
+    from triton.language import constexpr
+
+    value = constexpr(1.5)
+    namespace = {"SCALE": value, "N": 4}
+    checks = ((namespace, "SCALE", value), (namespace, "N", 4))
+    unchanged = lk._launch._globals_unchanged
+    assert unchanged(checks)
+    namespace["SCALE"] = constexpr(1.5)
+    assert unchanged(checks)
+    for name, changed in (("SCALE", constexpr(2.0)), ("N", 5)):
+        namespace.update(SCALE=value, N=4)
+        namespace[name] = changed
+        assert not unchanged(checks), name
+    del namespace["N"]
+    assert not unchanged(checks)

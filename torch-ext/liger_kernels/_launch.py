@@ -85,8 +85,14 @@ _MISSING = object()
 
 
 def _globals_unchanged(checks) -> bool:
-    """Triton's own check before each launch: a global the kernel read has the value it was compiled with."""
-    return all(namespace.get(name, _MISSING) == value for namespace, name, value in checks)
+    """Triton's own check before each launch: a global the kernel read has the value it was compiled with. The
+    same object first: comparing a ``tl.constexpr`` global by value runs Triton's Python ``__eq__``, which makes
+    a new constexpr (a few µs a launch on the H200 host, NOTES.md §34)."""
+    for namespace, name, value in checks:
+        current = namespace.get(name, _MISSING)
+        if current is not value and current != value:
+            return False
+    return True
 
 
 def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
