@@ -4,6 +4,7 @@ through the loss and through the returned z-loss, for any incoming gradients."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from harness import (
     FLCE_CASES,
@@ -112,6 +113,58 @@ def test_calls_of_one_shape_launch_with_their_own_options(lk):
                     kept = target != options.get("ignore_index", -100)
                     accuracy = ((logits.detach().argmax(-1) == target) & kept).sum() / kept.sum()
                     assert out.token_accuracy.item() == pytest.approx(accuracy.item(), abs=1e-7), what
+
+
+def test_calls_of_one_shape_launch_with_their_own_layouts(lk):
+    """As above, for what the options leave alike: the logits' row stride (a padded vocabulary's slice after
+    contiguous logits of the same shape), the vocabulary at one row stride, a negative z-loss scale after a
+    positive one, and "mean" with ignore_index 0 through the fused loss (divisors handed to the sums) and then
+    through cross_entropy (divisors found by the sums) on as many rows."""
+    skip_unless_runnable("triton")
+    generator = torch.Generator().manual_seed(7)
+    padded = torch.randn(6, 64, generator=generator, dtype=torch.float64)
+    target = torch.randint(1, 40, (6,), generator=generator)
+    target[0] = 0
+
+    def check(logits, **options):
+        logits = logits.float().requires_grad_()
+        loss = lk.cross_entropy.cross_entropy(logits, target, **options)
+        logits64 = logits.detach().double().requires_grad_()
+        want = reference_loss(logits64, target, **options)
+        (got,) = torch.autograd.grad(loss, logits)
+        (ref,) = torch.autograd.grad(want, logits64)
+        assert rel_err(loss, want) <= FP32_BOUND and rel_err(got, ref) <= FP32_BOUND, (logits.stride(), options)
+
+    with backend("triton"):
+        check(padded[:, :50].contiguous())
+        check(padded.float()[:, :50])  # row stride 64
+        check(padded.float()[:, :40])  # row stride 64, 40 classes
+        for scale in (0.05, -0.05, 0.0):
+            check(padded[:, :50].contiguous(), lse_square_scale=scale)
+        x, weight = torch.randn(6, 8, generator=generator), torch.randn(50, 8, generator=generator)
+        fused = lk.liger_fused_linear_cross_entropy(x, weight, target, ignore_index=0)
+        want = F.cross_entropy((x.double() @ weight.double().T), target, ignore_index=0)
+        assert rel_err(fused, want) <= FP32_BOUND
+        check(x @ weight.T, ignore_index=0)
+
+
+def test_torch_func_transforms_over_plain_logits(lk, backend_name):
+    """A transformed function reading the loss of plain logits (not the transform's own input) gets the PyTorch
+    composite and the same loss, as F.cross_entropy would: PyTorch's apply refuses the eager Functions under an
+    active transform."""
+    logits, target, ce_weight, options = logits_and_options("everything")
+    for ce_weight_ in (ce_weight, None):
+        want = lk.cross_entropy.cross_entropy(logits, target, ce_weight_, **options)
+
+        def scaled(s, ce_weight_=ce_weight_):
+            return s * lk.cross_entropy.cross_entropy(logits, target, ce_weight_, **options)
+
+        assert rel_err(torch.func.grad(scaled)(torch.tensor(2.0)), want) <= FP32_BOUND
+    plain = lk.cross_entropy.cross_entropy(logits, target)  # the common case's expression
+    assert (
+        rel_err(torch.func.grad(lambda s: s * lk.cross_entropy.cross_entropy(logits, target))(torch.tensor(2.0)), plain)
+        <= FP32_BOUND
+    )
 
 
 def test_logits_are_never_written(lk, backend_name):

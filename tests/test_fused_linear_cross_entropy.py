@@ -549,6 +549,42 @@ def test_torch_func_grad(lk):
     assert rel_err(got, want) <= FP64_BOUND
 
 
+def test_torch_func_transforms_over_plain_tensors(lk):
+    """A transformed function reading the loss of plain tensors (not the transform's own inputs) gets the PyTorch
+    composite and the same loss, as F.cross_entropy would (PyTorch's apply refuses the eager Function under an
+    active transform); the usual call with a dead torch.func wrapper as the target or the class weights (one
+    that a transformed function let out: autograd's C++ apply must not see it) gets the loss and gradient."""
+    x, weight, _, target, ce_weight, options = make_inputs(N, H, V, case="ce_weight")
+    want = lk.liger_fused_linear_cross_entropy(x, weight, target, None, ce_weight)
+    (want_grad,) = torch.autograd.grad(want, weight)
+    kept = {}
+
+    def scaled(s):
+        kept["loss"] = lk.liger_fused_linear_cross_entropy(x, weight, target, None, ce_weight)
+        kept["target"], kept["ce_weight"] = target + (s * 0).long(), ce_weight + s.detach() * 0
+        return s * kept["loss"]
+
+    got = torch.func.grad(scaled)(torch.tensor(2.0))
+    assert rel_err(got, want) <= FP32_BOUND and rel_err(kept["loss"], want) <= FP32_BOUND
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    assert wrapped(kept["target"]) and wrapped(kept["ce_weight"])  # dead wrappers now
+    dead = lk.liger_fused_linear_cross_entropy(x, weight, kept["target"], None, kept["ce_weight"])
+    (grad,) = torch.autograd.grad(dead, weight)
+    assert rel_err(dead, want) <= FP32_BOUND and rel_err(grad, want_grad) <= FP32_BOUND
+
+
+def test_published_function_hands_out_z_loss_alone(lk, backend_name):
+    """``return_z_loss`` alone (no accuracy asked): the z-loss comes back, and the loss with it."""
+    x, weight, _, target, _, _ = make_inputs(N, H, V)
+    loss, z_loss, accuracy, pred = lk.LigerFusedLinearCrossEntropyFunction.apply(
+        x, weight, target, None, None, -100, 0.01, 0.0, "mean", None, True
+    )
+    _, _, _, logits = linear64(x, weight, None)
+    assert accuracy is None and pred is None
+    assert rel_err(loss, reference_loss(logits, target, lse_square_scale=0.01)) <= FP32_BOUND
+    assert rel_err(z_loss, reference_z_loss(logits, target, lse_square_scale=0.01)) <= FP32_BOUND
+
+
 def bad_inputs():
     x, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
     return [

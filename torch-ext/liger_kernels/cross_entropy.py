@@ -1086,7 +1086,8 @@ def _route(logits) -> str:
     the differentiable PyTorch formulas (export, torch.jit.trace, torch.func, forward AD)."""
     if torch.compiler.is_compiling():
         return COMPOSITE if _backend.exporting() or _backend.forward_ad_active() else COMPILED
-    if _backend.exporting() or is_functorch(logits) or _backend.forward_ad_active():
+    # (torch.func's transforms on plain logits too: PyTorch's apply refuses the eager Functions under them)
+    if _backend.exporting() or is_functorch(logits) or _are_transforms_active() or _backend.forward_ad_active():
         return COMPOSITE
     return EAGER
 

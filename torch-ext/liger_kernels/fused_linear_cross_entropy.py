@@ -783,7 +783,9 @@ def _apply(
             input, weight, target, bias, ce_weight, *opts, dtype, accum_dtype, want_pred, want_accuracy, *needs
         )
         return loss, z_loss.detach(), accuracy.detach(), pred
-    if _ce.is_functorch(input, weight, bias):
+    # torch.func's transforms: the PyTorch formulas, on wrapped tensors and on plain ones the transformed function
+    # reads (PyTorch's apply refuses this Function under an active transform)
+    if _ce.is_functorch(input, weight, bias) or _transforms_active():
         return composite(input, weight, target, bias, ce_weight, opts, want_pred, want_accuracy)
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (input, weight, bias)):
         with _no_autocast(input.device.type):  # no gradient wanted: the loss alone, no autograd node
@@ -803,8 +805,8 @@ def _apply(
             )
         return results[:4]
     # autograd's C++ apply directly where PyTorch's Python apply would only call it: no torch.func transform active
-    # and no tensor wrapped (the differentiable ones were asked above)
-    plain = not (_transforms_active() or _is_wrapped(target) or ce_weight is not None and _is_wrapped(ce_weight))
+    # and no tensor wrapped (the transforms and the differentiable tensors were asked above)
+    plain = not (_is_wrapped(target) or ce_weight is not None and _is_wrapped(ce_weight))
     return (_eager_function if plain else _EagerFunction.apply)(
         input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy, want_z_loss
     )
