@@ -549,7 +549,7 @@ def test_torch_func_grad(lk):
     assert rel_err(got, want) <= FP64_BOUND
 
 
-def test_torch_func_transforms_over_plain_tensors(lk):
+def test_torch_func_transforms_over_plain_tensors(lk, backend_name):
     """A transformed function reading the loss of plain tensors (not the transform's own inputs) gets the PyTorch
     composite and the same loss, as F.cross_entropy would (PyTorch's apply refuses the eager Function under an
     active transform); the usual call with a dead torch.func wrapper as the target or the class weights (one
@@ -571,6 +571,24 @@ def test_torch_func_transforms_over_plain_tensors(lk):
     dead = lk.liger_fused_linear_cross_entropy(x, weight, kept["target"], None, kept["ce_weight"])
     (grad,) = torch.autograd.grad(dead, weight)
     assert rel_err(dead, want) <= FP32_BOUND and rel_err(grad, want_grad) <= FP32_BOUND
+    with torch.no_grad():  # the loss alone, no node
+        dead = lk.liger_fused_linear_cross_entropy(x, weight, kept["target"], None, kept["ce_weight"])
+    assert rel_err(dead, want) <= FP32_BOUND
+
+
+def test_strided_and_broadcast_targets(lk, backend_name):
+    """1-D targets that are a strided view or one broadcast value: read as the values they hold."""
+    x, weight, _, target, _, _ = make_inputs(N, H, V)
+    _, _, _, logits = linear64(x, weight, None)
+    wide = torch.stack([target, target.flip(0)], 1)
+    for t in (wide[:, 0], wide[:, 1], target[3].expand(N)):
+        assert not t.is_contiguous()
+        loss = lk.liger_fused_linear_cross_entropy(x, weight, t)
+        (grad,) = torch.autograd.grad(loss, x)
+        x64 = x.detach().double().requires_grad_()
+        want = reference_loss(x64 @ weight.detach().double().T, t.contiguous())
+        (ref,) = torch.autograd.grad(want, x64)
+        assert rel_err(loss, want) <= FP32_BOUND and rel_err(grad, ref) <= FP32_BOUND
 
 
 def test_published_function_hands_out_z_loss_alone(lk, backend_name):

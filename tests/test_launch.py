@@ -386,3 +386,25 @@ def test_a_launch_checks_the_globals_its_kernel_read(lk):
         assert not unchanged(checks), name
     del namespace["N"]
     assert not unchanged(checks)
+
+
+def test_a_cached_launch_keeps_the_live_global_where_it_equals_tritons_copy(lk, monkeypatch):
+    """Triton records a deep copy of each global a kernel read; the cache keeps the live global where it still
+    equals that copy, so that each launch's check finds it by identity (a copied constexpr never is the global,
+    and comparing constexprs by value runs Triton's Python ``__eq__``); a global changed since keeps the copy."""
+    import copy
+
+    from triton.language import constexpr
+
+    live, namespace = constexpr(1.5), {}
+    namespace.update(SCALE=live, OLD=constexpr(1.0))
+    recorded = {("SCALE", 0): (copy.deepcopy(live), namespace), ("OLD", 0): (constexpr(2.0), namespace)}
+    kernel = triton.runtime.jit.JITFunction(_scale)
+    monkeypatch.setattr(kernel, "used_global_vals", recorded, raising=False)
+    monkeypatch.setattr(lk._launch, "_CACHES", {})
+    lk._launch._remember(kernel, ("key",), _Compiled(), 4, {"BLOCK": 64, "num_warps": 4})
+    checks = {name: value for _, name, value in lk._launch._CACHES[id(kernel)][1][("key",)][5]}
+    assert recorded[("SCALE", 0)][0] is not live and checks["SCALE"] is live
+    assert checks["OLD"] is recorded[("OLD", 0)][0] and not lk._launch._globals_unchanged(
+        ((namespace, "OLD", checks["OLD"]),)
+    )

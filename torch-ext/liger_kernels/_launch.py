@@ -277,6 +277,14 @@ def _launcher(run) -> tuple:
     return (run, ()) if scratch else (c_launch, flags)
 
 
+def _live(namespace, name, value):
+    live = namespace.get(name, _MISSING)
+    try:
+        return live if live is not _MISSING and bool(live == value) else value
+    except (TypeError, ValueError, RuntimeError):  # no truth value (an array): the recorded copy, compared as before
+        return value
+
+
 def _remember(kernel, key, compiled, n_args: int, meta: dict) -> None:
     if hasattr(compiled, "result"):  # an asynchronous compilation's future
         compiled = compiled.result()
@@ -292,7 +300,12 @@ def _remember(kernel, key, compiled, n_args: int, meta: dict) -> None:
         entry = _CACHES[id(kernel)] = (kernel, {})
     if len(entry[1]) >= MAX_ENTRIES:
         entry[1].clear()
-    checks = tuple((namespace, name, value) for (name, _), (value, namespace) in kernel.used_global_vals.items())
+    # Triton records a deep copy of each global's value: where the live global still equals it, the live object is
+    # kept instead, so that ``_globals_unchanged`` finds it by identity (a copied constexpr never is the global)
+    checks = tuple(
+        (namespace, name, _live(namespace, name, value))
+        for (name, _), (value, namespace) in kernel.used_global_vals.items()
+    )
     try:
         constexprs = tuple(meta[name] for name in names)
         entry[1][key] = (*_launcher(compiled.run), compiled.function, compiled.packed_metadata, constexprs, checks)

@@ -787,6 +787,10 @@ def _apply(
     # reads (PyTorch's apply refuses this Function under an active transform)
     if _ce.is_functorch(input, weight, bias) or _transforms_active():
         return composite(input, weight, target, bias, ce_weight, opts, want_pred, want_accuracy)
+    # No transform is active here, so a wrapped tensor is a dead wrapper one let out: unwrapped, as PyTorch's apply
+    # does, before any kernel reads it (the differentiable tensors were asked above)
+    if _is_wrapped(target) or ce_weight is not None and _is_wrapped(ce_weight):
+        target, ce_weight = _unwrap_dead((target, ce_weight))
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (input, weight, bias)):
         with _no_autocast(input.device.type):  # no gradient wanted: the loss alone, no autograd node
             results = forward_core(
@@ -804,16 +808,15 @@ def _apply(
                 want_z_loss,
             )
         return results[:4]
-    # autograd's C++ apply directly where PyTorch's Python apply would only call it: no torch.func transform active
-    # and no tensor wrapped (the transforms and the differentiable tensors were asked above)
-    plain = not (_is_wrapped(target) or ce_weight is not None and _is_wrapped(ce_weight))
-    return (_eager_function if plain else _EagerFunction.apply)(
+    # autograd's C++ apply directly, where PyTorch's Python apply would only unwrap dead wrappers and call it
+    return _eager_function(
         input, weight, target, bias, ce_weight, opts, dtype, accum_dtype, want_pred, want_accuracy, want_z_loss
     )
 
 
 _eager_function = _backend.c_apply(_EagerFunction)
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_unwrap_dead = torch._functorch.utils.unwrap_dead_wrappers
 _transforms_active = torch._C._are_functorch_transforms_active
 
 
