@@ -622,22 +622,25 @@ def gated_apply(
         if _backend.forward_ad_active() or _backend.exporting():  # (see transforms_active)
             return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
         return gated_forward_op(gate, up, activation.name, gate_multiplier, down_multiplier, in_place_backward)
-    if _backend.exporting():  # (forward AD: gated_apply_eager asks)
-        return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     return gated_apply_eager(gate, up, activation, gate_multiplier, down_multiplier, in_place_backward, own_buffers)
 
 
 def gated_apply_eager(
     gate, up, activation: GatedActivation, gate_multiplier, down_multiplier, in_place_backward, own_buffers=False
 ):
-    """:func:`gated_apply` for a caller that has found the call eager: neither compiled nor exported. Under a
-    torch.func transform the composite runs for plain tensors too: PyTorch's apply would refuse a Function
-    without ``setup_context`` there."""
+    """:func:`gated_apply` for a caller that has found the call not compiled. Traced (torch.export,
+    torch.jit.trace), in forward-mode AD or under a torch.func transform, the composite runs, for plain tensors
+    too: PyTorch's apply would refuse a Function without ``setup_context`` under a transform."""
+    # The questions as C-level reads, in one expression (each helper a Python frame on every call of the
+    # package's most frequent op): _backend.forward_ad_active() and, outside a compiled frame,
+    # _backend.exporting().
     if (
-        _backend.forward_ad_active()
+        _forward_ad._current_level >= 0
         or _are_transforms_active()
         or is_functorch_wrapped(gate)  # (dead wrappers too, which PyTorch's apply would unwrap)
         or is_functorch_wrapped(up)
+        or torch.compiler._is_exporting_flag
+        or _is_tracing()
     ):
         return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):  # inference: no graph to record
@@ -646,6 +649,8 @@ def gated_apply_eager(
 
 
 _are_transforms_active = torch._C._are_functorch_transforms_active
+_is_tracing = torch._C._is_tracing  # torch.jit.is_tracing() outside TorchScript
+_forward_ad = torch.autograd.forward_ad
 
 
 def gated_mul(a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):
