@@ -23,9 +23,6 @@ direct launch is taken only where its calling convention was verified, Triton 3.
 else (ROCm, XPU, the interpreter), and for any argument it does not recognize, ``kernel[grid]`` runs.
 """
 
-from functools import reduce
-from operator import attrgetter, or_
-
 import torch
 
 from ._backend import HAS_TRITON, triton, triton_interpreted
@@ -168,33 +165,49 @@ def launch_prepared(kernel, tensors: tuple, prepared: Prepared, trailing: tuple 
 
 
 _data_ptr = torch.Tensor.data_ptr
-_BASE_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
-_dtype = attrgetter("dtype")
 _ALIGNED = _Token()  # in a prepared key: every tensor's address is a multiple of 16, and the dtypes follow
 
 
-def _prepared_key(token, tensors, trailing) -> tuple:
-    """A prepared launch's key past its head: the plan's token, then what Triton specializes on in the tensors and
-    the trailing arguments, with the plan's scalars between the two groups, so that the key says which
-    parameter each keyed argument is. Where every tensor is 16-byte aligned, the common case, that is the
-    marker ``_ALIGNED`` and each tensor's dtype, the same facts as ``argument_keys``' per-tensor (dtype, True),
-    found by C-level maps instead of a Python expression per tensor (NOTES.md §32); the marker, never equal to
-    an argument's key, keeps the two forms apart. Otherwise the tensors' count and each argument's key. Floats,
-    bools and None are keyed by class, as ``argument_keys`` does."""
-    # (only tensors whose data_ptr is TensorBase's: a subclass may override the method Triton calls)
-    aligned = (
-        tensors and _BASE_TENSOR_TYPES.issuperset(map(type, tensors)) and not reduce(or_, map(_data_ptr, tensors)) & 15
-    )
-    if not aligned:  # each argument keyed apart
-        return (token, len(tensors), *argument_keys(tensors), *argument_keys(trailing))
-    classes = tuple(map(type, trailing))
-    if not _PLAIN_CLASSES.issuperset(classes):  # an int (keyed by its value's class) or another type
-        classes = argument_keys(trailing)
-    # (no count needed here: a trailing argument's key is never a bare dtype)
-    return (token, _ALIGNED, *map(_dtype, tensors), *classes)
+def _prepared_key(token, tensors, trailing, head=()) -> tuple:
+    """A prepared launch's key: ``head`` (the launch's device and Triton's settings), the plan's token, then what
+    Triton specializes on in the tensors and the trailing arguments, with the plan's scalars between the two
+    groups, so that the key says which parameter each keyed argument is. Where every tensor is 16-byte aligned and
+    of exact type ``torch.Tensor`` or ``nn.Parameter`` (a subclass may override the ``data_ptr`` Triton calls), and
+    every trailing argument is a float, a bool or None, the common case, that is the marker ``_ALIGNED``, each
+    tensor's dtype and each trailing argument's class: the same facts as ``argument_keys``' per-tensor (dtype,
+    True) and per-float class; the marker, never equal to an argument's key, keeps the two forms apart. Otherwise
+    the tensors' count and each argument's key."""
+    # One pass, with each check inline: this runs at every launch, and a pass of map() and set calls per fact
+    # cost twice as much (NOTES.md §35).
+    key = [*head, token, _ALIGNED]
+    append = key.append
+    addresses = 0
+    for t in tensors:
+        kind = type(t)
+        if kind is not _Tensor and kind is not _Parameter:
+            return _keyed_apart(token, tensors, trailing, head)
+        addresses |= _data_ptr(t)
+        append(t.dtype)
+    if addresses & 15 or not tensors:
+        return _keyed_apart(token, tensors, trailing, head)
+    n_keyed = len(key)
+    for value in trailing:
+        kind = type(value)
+        if kind is not float and kind is not bool and value is not None:  # an int (keyed by its value's class)...
+            del key[n_keyed:]
+            key += argument_keys(trailing)
+            break
+        append(kind)
+    return tuple(key)
 
 
-_PLAIN_CLASSES = frozenset(_PLAIN)
+def _keyed_apart(token, tensors, trailing, head) -> tuple:
+    """``_prepared_key`` with each argument keyed apart, after the tensors' count, which says where they end (a
+    tensor among the trailing arguments is keyed as they are)."""
+    return (*head, token, len(tensors), *argument_keys(tensors), *argument_keys(trailing))
+
+
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 
 
 def _launch(kernel, grid, args, meta, prepared=None, tensors=(), trailing=()) -> None:
@@ -229,7 +242,7 @@ def _launch(kernel, grid, args, meta, prepared=None, tensors=(), trailing=()) ->
         try:
             head = (device, runtime.debug, knobs.compilation.instrumentation_mode)
             if prepared is not None and prepared.key is not None:
-                key = (*head, *_prepared_key(prepared.key, tensors, trailing))
+                key = _prepared_key(prepared.key, tensors, trailing, head)
             else:
                 key = (
                     *head,
