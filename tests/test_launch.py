@@ -320,6 +320,17 @@ def test_a_prepared_launch_keys_which_parameter_each_argument_is(lk):
     assert key(plan.key, (t, t), ()) != key(plan.key, (t,), (t,))  # both forms: aligned, and per argument
 
 
+def test_a_prepared_key_keeps_the_launch_s_head_and_each_plain_class_apart(lk):
+    """The head (the device, Triton's debug and instrumentation settings) leads the key in both forms, and a
+    trailing float, bool and None are three keys (Triton passes fp32, u1 and a constexpr)."""
+    key, token, t = lk._launch._prepared_key, object(), torch.empty(64)
+    for tensors in ((t,), (t[1:],)):  # the aligned form and the argument-by-argument one
+        heads = [(0, False, ""), (1, False, ""), (0, True, ""), (0, False, "consan")]
+        assert len({key(token, tensors, (1.0,), head) for head in heads}) == len(heads)
+        assert all(key(token, tensors, (1.0,), head)[: len(head)] == head for head in heads)
+        assert len({key(token, tensors, (value,)) for value in (1.0, True, None, 1)}) == 4
+
+
 class _Shifted(torch.Tensor):
     """A tensor whose data_ptr (which Triton calls) is not its storage's: 4 bytes on."""
 
@@ -335,13 +346,17 @@ def test_a_prepared_key_determines_tritons_specialization(lk):
     tensors += [torch.Tensor._make_subclass(_Shifted, t) for t in tensors[:12]]
     tensors += [torch.nn.Parameter(t, requires_grad=False) for t in tensors[:12]]
     scalars = [v for v in _values() if not isinstance(v, torch.Tensor)]
+    plain = [v for v in scalars if type(v) is not int]  # drawn as often as the ints: the gated ops' multipliers
     token, seen, aligned_form = object(), {}, 0
     rng = random.Random(0)
     for _ in range(4000):
         group = tuple(
             rng.choice(tensors) if rng.random() < 0.9 else rng.choice(scalars) for _ in range(rng.randint(1, 4))
         )
-        trailing = tuple(rng.choice(scalars if rng.random() < 0.8 else tensors) for _ in range(rng.randint(0, 2)))
+        trailing = tuple(
+            rng.choice(tensors if rng.random() < 0.2 else plain if rng.random() < 0.5 else scalars)
+            for _ in range(rng.randint(0, 2))
+        )
         key = lk._launch._prepared_key(token, group, trailing)
         aligned_form += lk._launch._ALIGNED in key
         spec = (len(group), tuple(_triton_spec(v) for v in (*group, *trailing)))
