@@ -1,6 +1,7 @@
 """What SwiGLU and GeGLU share (the machinery in _gated.py): dtypes, layouts, widths, empty inputs, bad
 input, and who may have their buffers overwritten by backward. Every case runs on both backends."""
 
+import contextlib
 import inspect
 import operator
 
@@ -102,6 +103,37 @@ def test_bad_input_raises_before_launch(lk, function, case, monkeypatch):
     assert function in str(info.value)
 
 
+FUNCTIONAL_FORMS = {  # name: (the name its errors carry, the call)
+    "silu_mul": ("LigerSiLUMulFunction", lambda lk: lk.silu_mul),
+    "gelu_mul": ("LigerGELUMulFunction", lambda lk: lk.gelu_mul),
+    "gated_mul": ("gated_mul", lambda lk: lk.gated_mul),
+}
+
+
+@pytest.mark.parametrize("case", bad_inputs(), ids=lambda c: c[0])
+@pytest.mark.parametrize("form", sorted(FUNCTIONAL_FORMS))
+@pytest.mark.parametrize("grad", [False, True])
+def test_functional_forms_raise_the_checks_errors_before_launch(lk, form, grad, case, monkeypatch):
+    """The functional forms' one-frame common case (``_gated.eager_call``) takes only what their checks accept:
+    everything else raises the checks' own errors, with or without a gradient."""
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("reached the kernels with bad input")
+
+    monkeypatch.setattr(lk._gated, "gated_forward", no_launch)
+    monkeypatch.setattr(lk._gated, "_eager_gated", no_launch)
+    name, function = FUNCTIONAL_FORMS[form]
+    _, call, error, message = case
+
+    def leaf(t):  # with a gradient: each floating tensor a leaf that requires one
+        usable = grad and isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+        return t.detach().requires_grad_() if usable else t
+
+    with torch.set_grad_enabled(grad), pytest.raises(error, match=message) as info:
+        call(lambda a, b: function(lk)(leaf(a), leaf(b)))
+    assert name in str(info.value)
+
+
 @pytest.mark.parametrize("name", ["LigerSiLUMulFunction", "LigerGELUMulFunction"])
 def test_public_function_binds_arguments_without_parsing_its_signature(lk, name, monkeypatch):
     """PyTorch's apply binds each call's arguments through inspect.signature(forward): the Functions carry it
@@ -188,12 +220,14 @@ def test_public_function_apply_binds_as_pytorch_does(lk, name, monkeypatch):
     assert type(out.grad_fn) is subclass._backward_cls and bound
 
 
-@pytest.mark.parametrize("name", [*sorted(BINDINGS), "silu_mul"])
+@pytest.mark.parametrize("name", [*sorted(BINDINGS), "silu_mul", "silu_mul, as up"])
 def test_dead_functorch_wrappers_are_unwrapped(lk, name):
     """A tensor made inside a finished torch.func transform and used afterwards is a dead wrapper: PyTorch's apply
     unwraps it, so the gradient reaches what it was computed from; the Functions' own apply must too, and so
     must the functional forms, which call autograd's C++ apply directly (they send it to the composite)."""
-    call = lk.silu_mul if name == "silu_mul" else getattr(lk, name).apply
+    call = getattr(lk, name).apply if name in BINDINGS else lk.silu_mul
+    if name == "silu_mul, as up":
+        call = lambda up, gate: lk.silu_mul(gate, up)  # noqa: E731
     x0, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
     escaped = []
 
@@ -207,10 +241,47 @@ def test_dead_functorch_wrappers_are_unwrapped(lk, name):
         (got,) = torch.autograd.grad(call(escaped[0], b).sum(), x0, allow_unused=True)
         (want,) = torch.autograd.grad(call(x0 * 2, b).sum(), x0)
     assert got is not None
-    if name == "silu_mul":  # the composite's autograd against the fused backward's one rounding: fp32 apart
+    if name not in BINDINGS:  # the composite's autograd against the fused backward's one rounding: fp32 apart
         assert rel_err(got, want) < 1e-6
     else:
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("state", ["torch.export", "torch.jit.trace", "forward AD"])
+@pytest.mark.parametrize("form", sorted(FUNCTIONAL_FORMS))
+def test_traced_or_forward_differentiated_calls_take_the_composite(lk, form, state, monkeypatch):
+    """While torch.export or torch.jit.trace records (their flags set here as they set them) or a forward-AD
+    level is open, a functional form's forward, and the backward of a node recorded before, run the PyTorch
+    composite: no kernel launch, whose output a program of aten ops would not hold."""
+    if not lk._backend.triton_interpreted():
+        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    _, function = FUNCTIONAL_FORMS[form]
+    a, b = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    d_out = torch.randn(4, 8)
+    with backend("triton"):
+        recorded = function(lk)(a, b)  # before: the kernels
+        want_out = lk._gated._forward_torch(
+            a.detach(), b.detach(), lk.activations.SILU if form != "gelu_mul" else lk.activations.GELU_TANH, 1.0, 1.0
+        )
+        want = torch.autograd.grad(recorded, (a, b), d_out, retain_graph=True)
+
+        def no_launch(*args, **kwargs):
+            raise AssertionError("a kernel was launched")
+
+        monkeypatch.setattr(lk._gated, "launch_prepared", no_launch)
+        monkeypatch.setattr(lk._gated, "_forward_triton", no_launch)
+        monkeypatch.setattr(lk._gated, "_backward_triton", no_launch)
+        if state == "torch.export":
+            monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True)
+        elif state == "torch.jit.trace":
+            monkeypatch.setattr(lk._gated, "_is_tracing", lambda: True)
+            monkeypatch.setattr(torch.jit, "is_tracing", lambda: True)
+        with torch.autograd.forward_ad.dual_level() if state == "forward AD" else contextlib.nullcontext():
+            with torch.no_grad():
+                assert rel_err(function(lk)(a, b), want_out) < 1e-6
+            got = torch.autograd.grad(recorded, (a, b), d_out)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-6
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

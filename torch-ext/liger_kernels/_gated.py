@@ -458,7 +458,23 @@ def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplie
 def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     gate, up = ctx.saved_tensors
     args = (ctx.activation, ctx.gate_multiplier, ctx.down_multiplier)
-    if torch.is_grad_enabled() or _backend.exporting() or transforms_active(d_out, gate, up):
+    if torch.is_grad_enabled() or (
+        # _backend.exporting() or transforms_active(d_out, gate, up): outside a compiled frame (compiled autograd
+        # traces this too) the same questions as C-level reads, each helper being a Python frame per node
+        (_backend.exporting() or transforms_active(d_out, gate, up))
+        if torch.compiler.is_compiling()
+        else (
+            _forward_ad._current_level >= 0
+            or torch.compiler._is_exporting_flag
+            or _is_tracing()
+            or is_functorch_wrapped(d_out)
+            or is_legacy_batched(d_out)
+            or is_functorch_wrapped(gate)
+            or is_legacy_batched(gate)
+            or is_functorch_wrapped(up)
+            or is_legacy_batched(up)
+        )
+    ):
         d_gate, d_up = _backward_torch(d_out, gate, up, *args, differentiable=torch.is_grad_enabled())
     # The common case in this frame: what gated_backward and _backward_triton do for contiguous tensors of one
     # shape and dtype on the Triton path, without their layers of calls (on the H200 machine's host a Python
@@ -653,9 +669,43 @@ _is_tracing = torch._C._is_tracing  # torch.jit.is_tracing() outside TorchScript
 _forward_ad = torch.autograd.forward_ad
 
 
+def eager_call(a, b, activation: GatedActivation, gate_multiplier, down_multiplier, in_place_backward):
+    """The functional forms' common case in one frame (their host time is on every call of every gated layer):
+    plain tensors that pass ``check_pair``'s fast case, float multipliers and a bool flag, an eager call that
+    nothing traces, transforms or differentiates forward. Returns what their checks and ``gated_apply`` return
+    for such a call, or None for every other call, which then takes them (errors included)."""
+    if (
+        torch.compiler.is_compiling()
+        or type(gate_multiplier) is not float
+        or type(down_multiplier) is not float
+        or type(in_place_backward) is not bool
+        or type(a) is not _Tensor
+        or type(b) is not _Tensor
+        or a.dtype is not b.dtype
+        or a.dtype not in SUPPORTED_DTYPES
+        or a.shape != b.shape
+        or not a.dim()
+        or a.device != b.device
+        or _forward_ad._current_level >= 0
+        or _are_transforms_active()
+        or is_functorch_wrapped(a)
+        or is_functorch_wrapped(b)
+        or torch.compiler._is_exporting_flag
+        or _is_tracing()
+    ):
+        return None
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _eager_gated(a, b, (activation, gate_multiplier, down_multiplier, in_place_backward, False))
+    return gated_forward(a, b, activation, gate_multiplier, down_multiplier)
+
+
 def gated_mul(a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):
     """``act(gate_multiplier * a) * b * down_multiplier`` for any activation in ``activations.REGISTRY``
     ("silu", "gelu_tanh", "gelu", ...), with autograd; what silu_mul and gelu_mul are for one activation."""
+    if type(activation) is str and activation in REGISTRY:
+        out = eager_call(a, b, REGISTRY[activation], gate_multiplier, down_multiplier, in_place_backward)
+        if out is not None:
+            return out
     op = "gated_mul"
     check_pair(a, b, op)
     act = check_activation(activation, op)

@@ -58,5 +58,9 @@ class LigerGELUMulFunction(torch.autograd.Function):
 def gelu_mul(a, b, approximate="tanh", in_place_backward=False):
     """:class:`LigerGELUMulFunction`'s math and checks, as cheap per call; under torch.compile a
     torch.library op, traced without a graph break."""
+    if type(approximate) is str and approximate in BY_APPROXIMATE:
+        out = _gated.eager_call(a, b, BY_APPROXIMATE[approximate], 1.0, 1.0, in_place_backward)
+        if out is not None:
+            return out
     activation, in_place = _checked(a, b, approximate, in_place_backward)
     return _gated.gated_apply(a, b, activation, 1.0, 1.0, in_place)

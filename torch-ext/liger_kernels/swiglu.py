@@ -54,5 +54,8 @@ class LigerSiLUMulFunction(torch.autograd.Function):
 def silu_mul(a, b, gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):
     """:class:`LigerSiLUMulFunction`'s math and checks, as cheap per call; under torch.compile a
     torch.library op, traced without a graph break."""
+    out = _gated.eager_call(a, b, SILU, gate_multiplier, down_multiplier, in_place_backward)
+    if out is not None:
+        return out
     gate_multiplier, down_multiplier, in_place = _checked(a, b, gate_multiplier, down_multiplier, in_place_backward)
     return _gated.gated_apply(a, b, SILU, gate_multiplier, down_multiplier, in_place)
