@@ -96,8 +96,8 @@ BUDGETS = {  # name: ((Python calls), (aten ops)), each (forward, no_grad forwar
     # is_grads_batched=True)): no kernel can read such a tensor (NOTES.md §32); the public Functions' forward too
     # the gated launches' plan key holds id() of the activation's jit function (counted here): on the GPU that
     # function hashes in Python (uncounted here, where the interpreter's hashes by identity; NOTES.md §31)
-    "silu_mul": ((24, 20, 24), (1, 1, 2)),
-    "gelu_mul": ((24, 20, 24), (1, 1, 2)),
+    "silu_mul": ((25, 21, 24), (1, 1, 2)),
+    "gelu_mul": ((25, 21, 24), (1, 1, 2)),
     # its own apply binds the arguments (5 calls counted here) where PyTorch's ran inspect's binding, uncounted
     "LigerSiLUMulFunction": ((35, 35, 24), (1, 1, 2)),
     "rms_norm": ((50, 43, 46), (4, 3, 5)),

@@ -670,9 +670,9 @@ _forward_ad = torch.autograd.forward_ad
 
 
 def eager_call(a, b, activation: GatedActivation, gate_multiplier, down_multiplier, in_place_backward):
-    """The functional forms' common case in one frame (their host time is on every call of every gated layer):
-    plain tensors that pass ``check_pair``'s fast case, float multipliers and a bool flag, an eager call that
-    nothing traces, transforms or differentiates forward. Returns what their checks and ``gated_apply`` return
+    """The functional forms' checks and route in one frame where the checks would pass unchanged (their host time
+    is on every call of every gated layer): plain tensors that pass ``check_pair``'s fast case, float
+    multipliers and a bool flag, a call not being compiled. Returns what the checks and ``gated_apply`` return
     for such a call, or None for every other call, which then takes them (errors included)."""
     if (
         torch.compiler.is_compiling()
@@ -686,17 +686,9 @@ def eager_call(a, b, activation: GatedActivation, gate_multiplier, down_multipli
         or a.shape != b.shape
         or not a.dim()
         or a.device != b.device
-        or _forward_ad._current_level >= 0
-        or _are_transforms_active()
-        or is_functorch_wrapped(a)
-        or is_functorch_wrapped(b)
-        or torch.compiler._is_exporting_flag
-        or _is_tracing()
     ):
         return None
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return _eager_gated(a, b, (activation, gate_multiplier, down_multiplier, in_place_backward, False))
-    return gated_forward(a, b, activation, gate_multiplier, down_multiplier)
+    return gated_apply_eager(a, b, activation, gate_multiplier, down_multiplier, in_place_backward)
 
 
 def gated_mul(a, b, activation="silu", gate_multiplier=1.0, down_multiplier=1.0, in_place_backward=False):
