@@ -465,6 +465,30 @@ def test_forward_ad_through_the_public_functions_raises_pytorchs_error(lk, name)
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
+def test_a_gated_backward_inside_torch_func_grad_is_exact(lk, name):
+    """A public Function applied inside ``torch.func.grad`` saves torch.func's wrappers as gate and up (no storage
+    for a kernel): an ``autograd.grad`` through it inside the transform, with a plain incoming gradient, takes the
+    composite backward."""
+    if name == "triton" and not lk._backend.triton_interpreted():
+        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    torch.manual_seed(0)
+    a, b, d_out = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+
+    def f(x):
+        out = lk.LigerSiLUMulFunction.apply(x, b)
+        (inner,) = torch.autograd.grad(out, x, d_out, retain_graph=True)
+        return out.sum(), inner
+
+    with backend(name):
+        outer, inner = torch.func.grad(f, has_aux=True)(a)
+    wide = a.double().requires_grad_()
+    out64 = torch.nn.functional.silu(wide) * b.double()
+    (want_inner,) = torch.autograd.grad(out64, wide, d_out.double(), retain_graph=True)
+    (want_outer,) = torch.autograd.grad(out64.sum(), wide)
+    assert rel_err(inner, want_inner) < 1e-5 and rel_err(outer, want_outer) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
 @pytest.mark.parametrize("op, in_place", [("silu_mul", False), ("gelu_mul", False), ("silu_mul", True)])
 def test_torch_func_vmap_over_a_recorded_gated_backward_is_exact(lk, op, name, in_place):
     """``torch.func.vmap`` over ``autograd.grad`` of a graph recorded outside it hands the gated node incoming
