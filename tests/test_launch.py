@@ -198,6 +198,25 @@ def test_after_warm_up_no_launch_goes_through_triton_s_own_path(lk, monkeypatch)
 
 
 @pytest.mark.gpu
+def test_after_warm_up_prepared_launches_of_one_dtype_run_their_bound_kernel(lk, monkeypatch):
+    """Every prepared launch (the gated ops', rotary's, the losses') finds its compiled kernel through its plan's
+    binding, without the keyed path."""
+    keyed, keyed_launch = [], lk._launch._launch
+
+    def recorded(kernel, *args):
+        keyed.append(kernel.fn.__name__)
+        return keyed_launch(kernel, *args)
+
+    with backend("auto"):
+        _run_all(lk, 4096, 0)
+        _run_all(lk, 4096, 0)
+        monkeypatch.setattr(lk._launch, "_launch", recorded)
+        _run_all(lk, 4096, 0)
+    prepared = {"_gated_forward_kernel", "_gated_backward_kernel", "_rotary_kernel", "_ce_rows_kernel", "_sums_kernel"}
+    assert keyed and not prepared & set(keyed), keyed
+
+
+@pytest.mark.gpu
 def test_direct_launches_equal_triton_s_own_as_specializations_change(lk, monkeypatch):
     """Aligned and unaligned data, widths that are and are not multiples of 16, interleaved so that each
     call after the first meets a cache that holds the other specializations: bit-equal to the same calls
@@ -362,6 +381,117 @@ def test_a_prepared_key_determines_tritons_specialization(lk):
         spec = (len(group), tuple(_triton_spec(v) for v in (*group, *trailing)))
         assert seen.setdefault(key, spec) == spec, f"{group}, {trailing}: key also covers {seen[key]}, not {spec}"
     assert 100 < aligned_form < 3900
+
+
+class _FakeKernel:
+    pre_run_hooks = ()
+
+
+def _as_if_on_gpu(lk, monkeypatch, device: int = 0) -> list:
+    """CPU tensors seen by ``launch_prepared`` as tensors of GPU ``device`` (the current one), with the direct
+    path on: returns the list where each launch that leaves the bound kernel for ``_launch`` is recorded."""
+    monkeypatch.setattr(lk._launch, "DIRECT", True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: device)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: device, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: ("stream", device), raising=False)
+    keyed = []
+    monkeypatch.setattr(lk._launch, "_launch", lambda kernel, grid, args, *rest: keyed.append(args))
+    return keyed
+
+
+def _bound_plan(lk, kernel, tensors, trailing, checks=()):
+    """A plan bound, as ``_launch`` binds it after a keyed launch of ``tensors`` and ``trailing``, to a compiled
+    kernel whose launcher records what it is handed."""
+    plan, ran = lk._launch.Prepared((5, 2), (3, 4), BLOCK=64), []
+    head = (0, triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
+    key = lk._launch._prepared_key(plan.key, tensors, trailing, head)
+    compiled = (lambda *args: ran.append(args), ("flag",), "function", "metadata", ("constexpr",), checks)
+    lk._launch._bind(kernel, plan, key, len(head), len(tensors), trailing, compiled)
+    return plan, key, head, ran
+
+
+def test_a_bound_plan_launches_its_kernel_exactly_where_the_key_would_find_it(lk, monkeypatch):
+    """A plan bound to the compiled kernel of one launch launches it again, without building the key, for exactly
+    the arguments whose key equals that launch's (so Triton would choose the same kernel): random tensors of
+    three dtypes, aligned or not, plain, ``nn.Parameter`` or a subclass, and trailing floats, bools, None, ints
+    and tensors, against bindings of one dtype and of several. Every other launch takes the keyed path."""
+    pool = []
+    for dtype in (torch.bfloat16, torch.float32, torch.int64):
+        storage = torch.empty(512, dtype=dtype)
+        pool += [storage[:64], storage[64:128], storage[1:]]  # aligned, aligned, not aligned
+    pool += [torch.nn.Parameter(pool[0], requires_grad=False), torch.Tensor._make_subclass(_Shifted, pool[0])]
+    pool += [pool[0]] * 6 + [pool[3], pool[6]] * 3  # the bindings' tensors, often
+    plain = [0.5, 1.0, -2.0, True, None, 1, 16, pool[0]]
+    kernel, rng = _FakeKernel(), random.Random(0)
+    taken = 0
+    bindings = [((pool[0],) * 3, (1.0, 2.0)), ((pool[0], pool[1]), ()), ((pool[3],), (0.5,))]
+    bindings.append(((pool[0], pool[6], pool[3]), (1.0,)))  # bf16, int64, fp32
+    for bound_tensors, bound_trailing in bindings:
+        plan, bound_key, head, ran = _bound_plan(lk, kernel, bound_tensors, bound_trailing)
+        assert plan.bound is not None
+        keyed = _as_if_on_gpu(lk, monkeypatch)
+        for _ in range(3000):
+            tensors = tuple(rng.choice(pool) for _ in range(rng.choice((len(bound_tensors), rng.randint(1, 4)))))
+            trailing = tuple(
+                rng.choice((0.25, 3.0) if rng.random() < 0.7 else plain)
+                for _ in range(rng.choice((len(bound_trailing), rng.randint(0, 3))))
+            )
+            same = lk._launch._prepared_key(plan.key, tensors, trailing, head) == bound_key
+            ran.clear(), keyed.clear()
+            lk._launch.launch_prepared(kernel, tensors, plan, trailing)
+            if same:
+                assert not keyed and ran == [(5, 2, 1, ("stream", 0), "function", "flag", "metadata", None, None, None,
+                                              *tensors, 3, 4, *trailing, "constexpr")]  # fmt: skip
+            else:
+                assert not ran and keyed == [(*tensors, 3, 4, *trailing)], (tensors, trailing)
+            taken += same
+    assert 300 < taken < 11000  # both branches, often
+
+
+def test_a_bound_plan_leaves_its_kernel_when_the_launch_s_head_or_its_conditions_change(lk, monkeypatch):
+    """What the key's head and ``_launch``'s conditions cover: another kernel, the direct path off, tensors not on
+    the GPU or on another one than the bound launch's, another current device, Triton's debug and
+    instrumentation settings, a launch or pre-run hook, a changed global the kernel read. Each sends the launch
+    to the keyed path, and undone, the bound kernel runs again. A plan with a trailing argument that is not a float
+    is never bound."""
+    t = torch.empty(64, dtype=torch.bfloat16)
+    namespace, kernel = {"SCALE": 2}, _FakeKernel()
+    plan, _, _, ran = _bound_plan(lk, kernel, (t, t), (1.0,), checks=((namespace, "SCALE", 2),))
+    keyed = _as_if_on_gpu(lk, monkeypatch)
+
+    def launch(kernel=kernel) -> str:
+        ran.clear(), keyed.clear()
+        lk._launch.launch_prepared(kernel, (t, t), plan, (1.0,))
+        assert len(ran) + len(keyed) == 1
+        return "bound" if ran else "keyed"
+
+    runtime, compilation = triton.knobs.runtime, triton.knobs.compilation
+    changes = {
+        "the direct path off": lambda m: m.setattr(lk._launch, "DIRECT", False),
+        "not a GPU tensor": lambda m: m.setattr(torch.Tensor, "is_cuda", property(lambda self: False)),
+        "tensors on GPU 1": lambda m: m.setattr(torch.Tensor, "get_device", lambda self: 1),
+        "GPU 1 current": lambda m: m.setattr(torch._C, "_cuda_getDevice", lambda: 1),
+        "both on GPU 1": lambda m: (
+            m.setattr(torch.Tensor, "get_device", lambda self: 1),
+            m.setattr(torch._C, "_cuda_getDevice", lambda: 1),
+        ),
+        "debug": lambda m: m.setattr(runtime, "debug", not runtime.debug),
+        "instrumentation": lambda m: m.setattr(compilation, "instrumentation_mode", "consan"),
+        "a launch enter hook": lambda m: m.setattr(runtime.launch_enter_hook, "calls", [print]),
+        "a launch exit hook": lambda m: m.setattr(runtime.launch_exit_hook, "calls", [print]),
+        "a pre-run hook": lambda m: m.setattr(kernel, "pre_run_hooks", [print], raising=False),
+        "a global": lambda m: m.setitem(namespace, "SCALE", 3),
+    }
+    assert launch() == "bound"
+    assert launch(_FakeKernel()) == "keyed"
+    for name, change in changes.items():
+        with monkeypatch.context() as m:
+            change(m)
+            assert launch() == "keyed", name
+        assert launch() == "bound", name
+    for trailing in ((1,), (True,), (None,), (1.0, 2)):
+        assert _bound_plan(lk, kernel, (t, t), trailing)[0].bound is None
 
 
 def test_plans_are_made_once_per_key_and_bounded(lk, monkeypatch):

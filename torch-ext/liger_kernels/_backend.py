@@ -10,6 +10,7 @@ CPU tensors needs ``TRITON_INTERPRET=1`` set before the package is imported; tha
 kernel code on a machine without a GPU.
 """
 
+import functools
 import math
 import os
 import sys
@@ -46,11 +47,10 @@ def next_power_of_2(n: int) -> int:
 new_tensor = torch.empty
 
 
-def new_like(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous output of ``t``'s shape, dtype and device: ``new_tensor(t.shape, dtype=t.dtype,
-    device=t.device)`` for half the host time (the hot elementwise ops call it once or twice per call).
-    Looked up at call time too, so that tests can poison it."""
-    return torch.empty_like(t, memory_format=torch.contiguous_format)
+# ``new_like(t)``: a contiguous output of ``t``'s shape, dtype and device, ``new_tensor(t.shape, dtype=t.dtype,
+# device=t.device)`` for half the host time (the hot elementwise ops call it once or twice per call). A partial,
+# not a function: no Python frame per call. Looked up at call time too, so that tests can poison it.
+new_like = functools.partial(torch.empty_like, memory_format=torch.contiguous_format)
 
 
 def new_strided(shape, stride, dtype, device) -> torch.Tensor:

@@ -282,9 +282,13 @@ def gated_forward(gate, up, activation, gate_multiplier=1.0, down_multiplier=1.0
         return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     if gate.is_contiguous() and up.is_contiguous():
         # The common case in this frame: what _forward_triton does with contiguous tensors, which _as_rows passes
-        # as one row of n columns (as backward_from_ctx does for the backward; NOTES.md §33).
+        # as one row of n columns (as backward_from_ctx does for the backward; NOTES.md §33). The plan by _plan's
+        # key, made there on a miss.
         out = _backend.new_like(gate)
-        plan = _plan(activation.triton_value, None, 1, n, _CONTIGUOUS[:3])
+        function = activation.triton_value
+        plan = _PLANS.get((id(function), None, 1, n, 0, 0, 0, BLOCK, NUM_WARPS)) or _plan(
+            function, None, 1, n, _CONTIGUOUS[:3]
+        )
         launch_prepared(_gated_forward_kernel, (gate, up, out), plan, (gate_multiplier, down_multiplier))
         return out
     return _forward_triton(gate, up, activation, gate_multiplier, down_multiplier)
@@ -449,15 +453,19 @@ def may_write_over(gate, up) -> bool:
 def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place, own_buffers=False) -> None:
     """``own_buffers``: gate and up are the caller's own, saved by no other node (see the contract above)."""
     ctx.save_for_backward(gate, up)
-    ctx.activation = activation
-    ctx.gate_multiplier = gate_multiplier
-    ctx.down_multiplier = down_multiplier
-    ctx.in_place = in_place and may_write_over(gate, up) and not _backend.saved_tensor_hooks_forbid_writing(own_buffers)
+    ctx.options = (activation, gate_multiplier, down_multiplier)  # one attribute: backward reads them at once
+    ctx.in_place = in_place and may_write_in_place(gate, up, own_buffers)
+
+
+def may_write_in_place(gate, up, own_buffers: bool) -> bool:
+    """Whether a backward asked to write over ``gate`` and ``up`` may (the contract above), asked in forward; the
+    graph's retention is asked when it runs."""
+    return may_write_over(gate, up) and not _backend.saved_tensor_hooks_forbid_writing(own_buffers)
 
 
 def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     gate, up = ctx.saved_tensors
-    args = (ctx.activation, ctx.gate_multiplier, ctx.down_multiplier)
+    args = ctx.options
     if torch.is_grad_enabled() or (
         # _backend.exporting() or transforms_active(d_out, gate, up): outside a compiled frame (compiled autograd
         # traces this too) the same questions as C-level reads, each helper being a Python frame per node
@@ -489,11 +497,15 @@ def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | N
         and gate.numel()
         and use_triton(gate)
     ):
+        activation, gate_multiplier, down_multiplier = args
         in_place = ctx.in_place and not graph_is_retained()
         d_gate, d_up = (gate, up) if in_place else (_backend.new_like(gate), _backend.new_like(up))
-        plan = _plan(ctx.activation.triton_value_and_grad, False, 1, gate.numel(), _CONTIGUOUS[:5])
+        function, n = activation.triton_value_and_grad, gate.numel()
+        plan = _PLANS.get((id(function), False, 1, n, 0, 0, 0, 0, 0, BLOCK, NUM_WARPS)) or _plan(
+            function, False, 1, n, _CONTIGUOUS[:5]
+        )  # (by _plan's key, as in gated_forward)
         tensors = (d_out, gate, up, d_gate, d_up, d_out)
-        launch_prepared(_gated_backward_kernel, tensors, plan, (ctx.gate_multiplier, ctx.down_multiplier))
+        launch_prepared(_gated_backward_kernel, tensors, plan, (gate_multiplier, down_multiplier))
         if in_place:  # as gated_backward: anything that still held gate or up for autograd now raises
             torch.autograd.graph.increment_version(gate)
             torch.autograd.graph.increment_version(up)
@@ -614,7 +626,10 @@ class _EagerGated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, options):
         activation, gate_multiplier, down_multiplier, in_place, own_buffers = options
-        save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplier, in_place, own_buffers)
+        # save_for_backward's work in this frame (a call on every eager call of the most frequent op)
+        ctx.save_for_backward(gate, up)
+        ctx.options = options[:3]
+        ctx.in_place = in_place and may_write_in_place(gate, up, own_buffers)
         return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
 
     @staticmethod

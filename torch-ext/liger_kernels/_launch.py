@@ -110,10 +110,11 @@ class Prepared:
     every lookup, element by element; for the gated backward's 14 arguments that cost as much host time as the
     launch itself, benchmarks/NOTES.md §31)."""
 
-    __slots__ = ("grid", "scalars", "meta", "key")
+    __slots__ = ("grid", "scalars", "meta", "key", "bound")
 
     def __init__(self, grid: tuple, scalars: tuple, **meta):
         self.grid, self.scalars, self.meta = grid, tuple(scalars), meta
+        self.bound = None  # the last compiled kernel a keyed launch of this plan found (see ``launch_prepared``)
         try:
             share = (*meta.items(), *map(type, meta.values()), *argument_keys(self.scalars))
             if len(_TOKENS) >= MAX_TOKENS:
@@ -156,10 +157,74 @@ _TOKENS = {}  # a Prepared share -> its token
 MAX_TOKENS = 4096
 
 
-def launch_prepared(kernel, tensors: tuple, prepared: Prepared, trailing: tuple = ()) -> None:
+def launch_prepared(
+    kernel,
+    tensors: tuple,
+    prepared: Prepared,
+    trailing: tuple = (),
+    *,
+    _tensor=torch.Tensor,
+    _data_ptr=torch.Tensor.data_ptr,
+) -> None:
     """``launch(kernel, prepared.grid, (*tensors, *prepared.scalars, *trailing), **prepared.meta)``. ``trailing``:
     arguments after the plan's scalars that change from call to call (the gated ops' multipliers), keyed at
-    each launch as the tensors are, so that a plan never stands for their values."""
+    each launch as the tensors are, so that a plan never stands for their values.
+
+    The plan remembers the compiled kernel its last keyed launch found, with the facts of that launch's key
+    (``_bind``), and launches it again where this launch's key would be the same, checked fact by fact
+    instead of built and looked up: on the H200 machine's host that key and its lookup were about a tenth of a
+    gated op's eager call (NOTES.md §36). Anything else takes ``_launch``'s keyed path, which binds again. (The
+    keyword-only parameters are names bound locally, not arguments: this runs on every launch.)"""
+    bound = prepared.bound
+    if bound is not None:
+        (kernel_, device, debug, instrumentation, dtypes, n_trailing, grid, run, flags, function, metadata, constexprs,
+         checks) = bound  # fmt: skip
+        runtime = knobs.runtime
+        if (
+            kernel_ is kernel
+            and DIRECT  # (tests turn it off to compare with Triton's own path)
+            and len(tensors) == len(dtypes)
+            and len(trailing) == n_trailing
+            and (first := tensors[0]).is_cuda
+            and first.get_device() == device
+            and torch._C._cuda_getDevice() == device
+            and runtime.debug == debug
+            and knobs.compilation.instrumentation_mode == instrumentation
+            and type(runtime.launch_enter_hook) is HookChain
+            and not runtime.launch_enter_hook.calls
+            and type(runtime.launch_exit_hook) is HookChain
+            and not runtime.launch_exit_hook.calls
+            and not kernel.pre_run_hooks
+        ):
+            # The facts of ``_prepared_key``'s common form, each against the bound launch's: exact types, the
+            # dtypes, 16-byte alignment, then float trailing arguments.
+            addresses = 0
+            for t, dtype in zip(tensors, dtypes):
+                kind = type(t)
+                if (kind is not _tensor and kind is not _Parameter) or t.dtype is not dtype:
+                    break
+                addresses |= _data_ptr(t)
+            else:
+                for value in trailing:
+                    if type(value) is not float:
+                        break
+                else:
+                    if not addresses & 15 and (not checks or _globals_unchanged(checks)):
+                        run(
+                            *grid,
+                            torch._C._cuda_getCurrentRawStream(device),
+                            function,
+                            *flags,
+                            metadata,
+                            None,  # launch metadata and hooks: none registered (checked above)
+                            None,
+                            None,
+                            *tensors,
+                            *prepared.scalars,
+                            *trailing,
+                            *constexprs,
+                        )
+                        return
     args = (*tensors, *prepared.scalars, *trailing) if trailing else (*tensors, *prepared.scalars)
     _launch(kernel, prepared.grid, args, prepared.meta, prepared, tensors, trailing)
 
@@ -254,6 +319,8 @@ def _launch(kernel, grid, args, meta, prepared=None, tensors=(), trailing=()) ->
         except (_Unrecognized, TypeError):  # an argument the key does not cover, or an unhashable constexpr
             key = compiled = None
         if compiled is not None and (not compiled[5] or _globals_unchanged(compiled[5])):
+            if prepared is not None and key[len(head) + 1] is _ALIGNED:
+                _bind(kernel, prepared, key, len(head), len(tensors), trailing, compiled)
             run, flags, function, metadata, constexprs, _ = compiled
             run(
                 grid[0],
@@ -275,6 +342,20 @@ def _launch(kernel, grid, args, meta, prepared=None, tensors=(), trailing=()) ->
             _remember(kernel, key, compiled, len(args), meta)
         return
     kernel[grid](*args, **meta)
+
+
+def _bind(kernel, prepared, key, n_head: int, n_tensors: int, trailing, compiled) -> None:
+    """Remember ``compiled`` on ``prepared`` with what ``launch_prepared`` checks to launch it again: ``key``'s head
+    and its tensors' dtypes (``key`` is of ``_prepared_key``'s common form: the head, the token, ``_ALIGNED``, each
+    tensor's dtype, each trailing argument's class), where every trailing argument is a float (an int's key is its
+    value's class: not bound)."""
+    if any(type(value) is not float for value in trailing):
+        prepared.bound = None
+        return
+    dtypes = key[n_head + 2 : n_head + 2 + n_tensors]
+    grid = prepared.grid
+    grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    prepared.bound = (kernel, *key[:n_head], dtypes, len(trailing), grid, *compiled)
 
 
 def _launcher(run) -> tuple:
