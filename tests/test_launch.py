@@ -400,10 +400,10 @@ def _as_if_on_gpu(lk, monkeypatch, device: int = 0) -> list:
     return keyed
 
 
-def _bound_plan(lk, kernel, tensors, trailing, checks=()):
+def _bound_plan(lk, kernel, tensors, trailing, checks=(), grid=(5, 2)):
     """A plan bound, as ``_launch`` binds it after a keyed launch of ``tensors`` and ``trailing``, to a compiled
     kernel whose launcher records what it is handed."""
-    plan, ran = lk._launch.Prepared((5, 2), (3, 4), BLOCK=64), []
+    plan, ran = lk._launch.Prepared(grid, (3, 4), BLOCK=64), []
     head = (0, triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
     key = lk._launch._prepared_key(plan.key, tensors, trailing, head)
     compiled = (lambda *args: ran.append(args), ("flag",), "function", "metadata", ("constexpr",), checks)
@@ -427,8 +427,9 @@ def test_a_bound_plan_launches_its_kernel_exactly_where_the_key_would_find_it(lk
     taken = 0
     bindings = [((pool[0],) * 3, (1.0, 2.0)), ((pool[0], pool[1]), ()), ((pool[3],), (0.5,))]
     bindings.append(((pool[0], pool[6], pool[3]), (1.0,)))  # bf16, int64, fp32
-    for bound_tensors, bound_trailing in bindings:
-        plan, bound_key, head, ran = _bound_plan(lk, kernel, bound_tensors, bound_trailing)
+    for (bound_tensors, bound_trailing), grid in zip(bindings, [(5, 2), (5,), (5, 2, 3), (5,)]):
+        plan, bound_key, head, ran = _bound_plan(lk, kernel, bound_tensors, bound_trailing, grid=grid)
+        grid = (*grid, 1, 1)[:3]  # as Triton launches it
         assert plan.bound is not None
         keyed = _as_if_on_gpu(lk, monkeypatch)
         for _ in range(3000):
@@ -441,7 +442,7 @@ def test_a_bound_plan_launches_its_kernel_exactly_where_the_key_would_find_it(lk
             ran.clear(), keyed.clear()
             lk._launch.launch_prepared(kernel, tensors, plan, trailing)
             if same:
-                assert not keyed and ran == [(5, 2, 1, ("stream", 0), "function", "flag", "metadata", None, None, None,
+                assert not keyed and ran == [(*grid, ("stream", 0), "function", "flag", "metadata", None, None, None,
                                               *tensors, 3, 4, *trailing, "constexpr")]  # fmt: skip
             else:
                 assert not ran and keyed == [(*tensors, 3, 4, *trailing)], (tensors, trailing)
@@ -479,6 +480,8 @@ def test_a_bound_plan_leaves_its_kernel_when_the_launch_s_head_or_its_conditions
         "debug": lambda m: m.setattr(runtime, "debug", not runtime.debug),
         "instrumentation": lambda m: m.setattr(compilation, "instrumentation_mode", "consan"),
         "a launch enter hook": lambda m: m.setattr(runtime.launch_enter_hook, "calls", [print]),
+        "a plain callable as the enter hook": lambda m: m.setattr(runtime, "launch_enter_hook", print),
+        "a plain callable as the exit hook": lambda m: m.setattr(runtime, "launch_exit_hook", print),
         "a launch exit hook": lambda m: m.setattr(runtime.launch_exit_hook, "calls", [print]),
         "a pre-run hook": lambda m: m.setattr(kernel, "pre_run_hooks", [print], raising=False),
         "a global": lambda m: m.setitem(namespace, "SCALE", 3),
@@ -492,6 +495,9 @@ def test_a_bound_plan_leaves_its_kernel_when_the_launch_s_head_or_its_conditions
         assert launch() == "bound", name
     for trailing in ((1,), (True,), (None,), (1.0, 2)):
         assert _bound_plan(lk, kernel, (t, t), trailing)[0].bound is None
+    for name in ("grid", "scalars", "meta", "key"):  # what the binding copied cannot change under it
+        with pytest.raises(AttributeError, match="fixed once made"):
+            setattr(plan, name, getattr(plan, name))
 
 
 def test_plans_are_made_once_per_key_and_bounded(lk, monkeypatch):

@@ -123,6 +123,12 @@ class Prepared:
         except (_Unrecognized, TypeError):  # never direct, as in ``launch``
             self.key = None
 
+    def __setattr__(self, name, value):
+        # Fixed once made: its token, and its binding (which copies the grid), stand for what it was made with.
+        if name != "bound" and hasattr(self, "key"):
+            raise AttributeError(f"a Prepared plan is fixed once made; make a new one instead of setting {name!r}")
+        object.__setattr__(self, name, value)
+
 
 class Plans:
     """A call site's ``Prepared`` plans by its own key, made once per key: ``plans.get(key) or plans.add(key,
@@ -349,7 +355,8 @@ def _bind(kernel, prepared, key, n_head: int, n_tensors: int, trailing, compiled
     """Remember ``compiled`` on ``prepared`` with what ``launch_prepared`` checks to launch it again: ``key``'s head
     and its tensors' dtypes (``key`` is of ``_prepared_key``'s common form: the head, the token, ``_ALIGNED``, each
     tensor's dtype, each trailing argument's class), where every trailing argument is a float (an int's key is its
-    value's class: not bound)."""
+    value's class: not bound). A binding outlives the entry of ``_CACHES`` it came from: that map is bounded for
+    memory, and a key's compiled kernel stays the one Triton chose for it."""
     if any(type(value) is not float for value in trailing):
         prepared.bound = None
         return
