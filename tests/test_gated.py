@@ -247,21 +247,33 @@ def test_dead_functorch_wrappers_are_unwrapped(lk, name):
         assert torch.equal(got, want)
 
 
+# The functional forms and the public Functions (each asks the routing questions in its own code)
+ROUTED_FORMS = {
+    **{name: call for name, (_, call) in FUNCTIONAL_FORMS.items()},
+    "LigerSiLUMulFunction.apply": lambda lk: lk.LigerSiLUMulFunction.apply,
+    "LigerGELUMulFunction.apply": lambda lk: lk.LigerGELUMulFunction.apply,
+}
+
+
 @pytest.mark.parametrize("state", ["torch.export", "torch.jit.trace", "forward AD"])
-@pytest.mark.parametrize("form", sorted(FUNCTIONAL_FORMS))
+@pytest.mark.parametrize("form", sorted(ROUTED_FORMS))
 def test_traced_or_forward_differentiated_calls_take_the_composite(lk, form, state, monkeypatch):
     """While torch.export or torch.jit.trace records (their flags set here as they set them) or a forward-AD
-    level is open, a functional form's forward, and the backward of a node recorded before, run the PyTorch
-    composite: no kernel launch, whose output a program of aten ops would not hold."""
+    level is open, a functional form's or public Function's forward, and the backward of a node recorded before,
+    run the PyTorch composite: no kernel launch, whose output a program of aten ops would not hold."""
     if not lk._backend.triton_interpreted():
         pytest.skip("the Triton path on CPU tensors needs the interpreter")
-    _, function = FUNCTIONAL_FORMS[form]
+    function = ROUTED_FORMS[form]
     a, b = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
     d_out = torch.randn(4, 8)
     with backend("triton"):
         recorded = function(lk)(a, b)  # before: the kernels
         want_out = lk._gated._forward_torch(
-            a.detach(), b.detach(), lk.activations.SILU if form != "gelu_mul" else lk.activations.GELU_TANH, 1.0, 1.0
+            a.detach(),
+            b.detach(),
+            lk.activations.GELU_TANH if "gelu" in form.lower() else lk.activations.SILU,
+            1.0,
+            1.0,
         )
         want = torch.autograd.grad(recorded, (a, b), d_out, retain_graph=True)
 
@@ -282,6 +294,30 @@ def test_traced_or_forward_differentiated_calls_take_the_composite(lk, form, sta
             got = torch.autograd.grad(recorded, (a, b), d_out)
     for g, w in zip(got, want):
         assert rel_err(g, w) < 1e-6
+
+
+@pytest.mark.parametrize("batched", ["gate", "up"])
+@pytest.mark.parametrize(
+    "form, vmap",
+    # (PyTorch's legacy vmap is private and batches gradients, which the backward's tests meet; of the forwards
+    # only the public Functions' ask for it)
+    [(form, "torch.func.vmap") for form in sorted(ROUTED_FORMS)]
+    + [(form, "legacy _vmap") for form in sorted(ROUTED_FORMS) if form not in FUNCTIONAL_FORMS],
+)
+def test_a_batched_gate_or_up_alone_takes_the_composite(lk, form, vmap, batched, backend_name):
+    """Mapped over one of its two inputs (the other a plain tensor), a call sees a batched tensor, which has no
+    storage a kernel could read, beside a plain one: the composite runs, against float64."""
+    function = ROUTED_FORMS[form](lk)
+    mapped, plain = torch.randn(3, 4, 8), torch.randn(4, 8)
+    call = (lambda x: function(x, plain)) if batched == "gate" else (lambda x: function(plain, x))
+    transform = torch.func.vmap if vmap == "torch.func.vmap" else torch._vmap_internals._vmap
+    got = transform(call)(mapped)
+    gate, up = (mapped.double(), plain.double()) if batched == "gate" else (plain.double(), mapped.double())
+    if "gelu" in form.lower():
+        want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    else:
+        want = torch.nn.functional.silu(gate) * up
+    assert rel_err(got, want) < 1e-6
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

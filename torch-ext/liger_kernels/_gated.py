@@ -357,7 +357,21 @@ def gated_recompute_backward(d_out, gate, up, activation) -> torch.Tensor:
 def function_forward(gate, up, activation, gate_multiplier, down_multiplier) -> torch.Tensor:
     """The public Functions' forward: the kernels, or the composite for tensors a torch.func transform wraps
     and for torch.export and torch.jit.trace (``_backend.exporting``)."""
-    if _backend.exporting() or transforms_active(gate, up):
+    if (
+        (_backend.exporting() or transforms_active(gate, up))
+        if torch.compiler.is_compiling()
+        # outside a compiled frame the same questions as C-level reads (each helper a Python frame per call, as
+        # in backward_from_ctx)
+        else (
+            torch.compiler._is_exporting_flag
+            or _is_tracing()
+            or _forward_ad._current_level >= 0
+            or is_functorch_wrapped(gate)
+            or is_legacy_batched(gate)
+            or is_functorch_wrapped(up)
+            or is_legacy_batched(up)
+        )
+    ):
         return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     return gated_forward(gate, up, activation, gate_multiplier, down_multiplier)
 
