@@ -297,13 +297,8 @@ def test_traced_or_forward_differentiated_calls_take_the_composite(lk, form, sta
 
 
 @pytest.mark.parametrize("batched", ["gate", "up"])
-@pytest.mark.parametrize(
-    "form, vmap",
-    # (PyTorch's legacy vmap is private and batches gradients, which the backward's tests meet; of the forwards
-    # only the public Functions' ask for it)
-    [(form, "torch.func.vmap") for form in sorted(ROUTED_FORMS)]
-    + [(form, "legacy _vmap") for form in sorted(ROUTED_FORMS) if form not in FUNCTIONAL_FORMS],
-)
+@pytest.mark.parametrize("vmap", ["torch.func.vmap", "legacy _vmap"])
+@pytest.mark.parametrize("form", sorted(ROUTED_FORMS))
 def test_a_batched_gate_or_up_alone_takes_the_composite(lk, form, vmap, batched, backend_name):
     """Mapped over one of its two inputs (the other a plain tensor), a call sees a batched tensor, which has no
     storage a kernel could read, beside a plain one: the composite runs, against float64."""

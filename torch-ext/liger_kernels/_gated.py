@@ -675,7 +675,8 @@ def gated_apply_eager(
 ):
     """:func:`gated_apply` for a caller that has found the call not compiled. Traced (torch.export,
     torch.jit.trace), in forward-mode AD or under a torch.func transform, the composite runs, for plain tensors
-    too: PyTorch's apply would refuse a Function without ``setup_context`` under a transform."""
+    too: PyTorch's apply would refuse a Function without ``setup_context`` under a transform. So it does for
+    tensors batched by PyTorch's legacy vmap (``torch._vmap_internals._vmap``), which have no storage either."""
     # The questions as C-level reads, in one expression (each helper a Python frame on every call of the
     # package's most frequent op): _backend.forward_ad_active() and, outside a compiled frame,
     # _backend.exporting().
@@ -686,6 +687,8 @@ def gated_apply_eager(
         or is_functorch_wrapped(up)
         or torch.compiler._is_exporting_flag
         or _is_tracing()
+        or is_legacy_batched(gate)
+        or is_legacy_batched(up)
     ):
         return _forward_torch(gate, up, activation, gate_multiplier, down_multiplier)
     if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):  # inference: no graph to record
