@@ -697,6 +697,33 @@ def test_the_forward_common_case_launches_what_the_general_path_does(lk, monkeyp
     assert [args[:2] for args in general_calls] == [(strided, up), (gate, strided)]
 
 
+@pytest.mark.parametrize("name", ["silu", "gelu_tanh"])
+def test_the_common_cases_find_their_plan_by_plan_s_own_key(lk, name, monkeypatch):
+    """The forward's and the backward's common case look their plan up by ``_plan``'s key inline: once a call has
+    made the plans, the same calls find them without ``_plan`` (a key written otherwise would call it each time)."""
+    activation = lk.activations.REGISTRY[name]
+    gate, up = torch.randn(4, 64, requires_grad=True), torch.randn(4, 64, requires_grad=True)
+    d_out = torch.randn(4, 64)
+
+    def step():
+        out = lk.gated_mul(gate, up, name, 1.5, 0.5)
+        return out, torch.autograd.grad(out, (gate, up), d_out)
+
+    with backend("triton"):
+        want = step()
+        with torch.no_grad():
+            lk._gated.gated_forward(gate, up, activation, 1.5, 0.5)
+        made = []
+        plan = lk._gated._plan
+        monkeypatch.setattr(lk._gated, "_plan", lambda *args: made.append(args) or plan(*args))
+        got = step()
+        with torch.no_grad():
+            lk._gated.gated_forward(gate, up, activation, 1.5, 0.5)
+    assert made == []
+    for g, w in zip((got[0], *got[1]), (want[0], *want[1])):
+        assert torch.equal(g, w)
+
+
 def test_each_launch_is_planned_from_its_own_call(lk, monkeypatch):
     """The launch plans are cached per layout: the backward, the tiled MLP's recompute (which also stores the
     forward output) and a launch after the maintainers' sweep changed the block size each get their own."""
