@@ -335,6 +335,34 @@ def test_host_whose_forward_differs_is_refused(lk):
             host(torch.randn(2, 5, HIDDEN))
 
 
+@pytest.mark.parametrize("setting", [{}, {"tile": True}, {"num_shards": 2}, {"tile": True, "compile": True}])
+def test_a_refused_host_fails_before_anything_runs(lk, setting, monkeypatch):
+    """A tiled layer's refused host raises the layer's ValueError before a projection runs or the module is
+    walked: on the plain call of a short input (fn's own call) and where the host asks to tile (the fast path's
+    declaration, asked first), under torch.compile too."""
+
+    class ScaledMLP(LlamaMLP):
+        def forward(self, x):
+            return 2 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    module = ScaledMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE))
+    setting = dict(setting)
+    compiled = setting.pop("compile", False)
+    for name, value in setting.items():
+        setattr(module, name, value)
+    ran = []
+    for projection in (module.gate_proj, module.up_proj, module.down_proj):
+        projection.register_forward_pre_hook(lambda *args: ran.append(args))
+    walked = []
+    structure = lk._tiling.structure
+    monkeypatch.setattr(lk._tiling, "structure", lambda m: walked.append(m) or structure(m))
+    host = bind(lk.LigerTiledSwiGLUMLP, module)
+    call = torch.compile(host, backend="eager") if compiled else host
+    with pytest.raises(ValueError, match="ScaledMLP cannot be served: its forward"):
+        call(torch.randn(2, 5, HIDDEN, requires_grad=True))
+    assert ran == [] and walked == []
+
+
 @pytest.mark.parametrize("layer", ["LigerSwiGLUMLP", "LigerTiledSwiGLUMLP"])
 @pytest.mark.parametrize("name", ["torch", "triton"])
 def test_phi3_fused_gate_up_host(lk, layer, name):

@@ -63,6 +63,13 @@ def auto_num_shards(x: torch.Tensor, intermediate: int | None = None) -> int:
     return max(1, min(math.ceil(seq_len / max(hidden, 1)), rows // max(min_rows, 1), MAX_AUTO_SHARDS))
 
 
+def too_few_rows(x: torch.Tensor) -> bool:
+    """Fewer rows than two shards' minimum: ``auto_num_shards`` is 1 whatever the MLP's width (its
+    ``rows // min_rows`` is at most 1, min_rows being at least MIN_SHARD_TOKENS), so a short call need not read
+    the width."""
+    return math.prod(x.shape[:-1]) < 2 * MIN_SHARD_TOKENS
+
+
 # The gated fast path's backward can also split I: everything between its recomputed GEMMs is elementwise in
 # the I columns, so a shard's backward may run in column blocks, holding gate, up and d_hidden for I / blocks
 # columns at a time, while the weight-gradient sums are read and written once per token shard, not per block.
@@ -283,19 +290,26 @@ def has_engine_parameters(mlp_module) -> bool:
     full checks then run, and raise what they raise)."""
     if not isinstance(mlp_module, nn.Module):
         return True
-    stack, seen = [mlp_module], set()
-    while stack:  # plain loops: this runs on every short call of a tiled layer
+    # Plain loops and inline reads (``_zero3.is_zero3`` is ``hasattr(p, "ds_id")``): this runs on every short
+    # call of a tiled layer. Only modules that hold modules are remembered as seen: a module inside itself or in
+    # two places is walked once, and a leaf (the projections, the activation) needs no set entry.
+    stack, seen = [mlp_module], {id(mlp_module)}
+    while stack:
         module = stack.pop()
-        key = id(module)
-        if key in seen:
-            continue
-        seen.add(key)
         for p in module._parameters.values():
-            if p is not None and _zero3.is_zero3(p):
+            if p is not None and hasattr(p, "ds_id"):
                 return True
         for child in module._modules.values():
-            if child is not None:
-                stack.append(child)
+            if child is None:
+                continue
+            if child._modules:
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    stack.append(child)
+                continue
+            for p in child._parameters.values():
+                if p is not None and hasattr(p, "ds_id"):
+                    return True
     return False
 
 

@@ -36,7 +36,9 @@ def _check_linear_host(module: nn.Module) -> None:
 
 def tiled(fn, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``fn(module, x)`` through the tiled MLP; host attributes override the automatic choices: ``num_shards``
-    (the shard count) and ``tile`` (True: always tile; False: never)."""
+    (the shard count) and ``tile`` (True: always tile; False: never). A host that ``fn`` (a ``GatedMLP``) refuses
+    fails with its ValueError before any shard runs: in ``fn``'s own call where the call runs untiled, and in
+    its fast path's declaration, asked first, where it tiles."""
     tile, num_shards = _host_setting(module, "tile"), _host_setting(module, "num_shards")
     return apply_tiled_mlp(fn, module, x, num_shards=num_shards, tile=tile)
 
@@ -86,7 +88,6 @@ class LigerTiledSwiGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        swiglu_mlp.check(self)  # a refused host fails here, before any shard runs
         return tiled(swiglu_mlp, self, x)
 
 
@@ -97,7 +98,6 @@ class LigerTiledGEGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        geglu_mlp.check(self)
         return tiled(geglu_mlp, self, x)
 
 

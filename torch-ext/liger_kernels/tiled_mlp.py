@@ -69,16 +69,20 @@ def apply_tiled_mlp(
     if not torch.compiler.is_compiling():
         # In eager mode a short call skips the compiler boundary below (its wrapper costs the host more than
         # the check) and makes the plain call, exactly as _apply_tiled would.
-        one_shard = _one_shard(x, intermediate_size(mlp_module), requested, tile)
+        one_shard = _one_shard(x, mlp_module, requested, tile)
         if one_shard and _needs_no_checks(mlp_module, compute_params):
             return fn(mlp_module, x)
         return _apply_tiled(fn, mlp_module, x, requested, compute_params, tile, asked=True)
     return _apply_tiled(fn, mlp_module, x, requested, compute_params, tile)
 
 
-def _one_shard(x, intermediate, requested, tile) -> bool:
+def _one_shard(x, mlp_module, requested, tile) -> bool:
     """The automatic shard count is 1."""
-    return tile is None and requested is None and _tiling.auto_num_shards(x, intermediate) <= 1
+    return (
+        tile is None
+        and requested is None
+        and (_tiling.too_few_rows(x) or _tiling.auto_num_shards(x, intermediate_size(mlp_module)) <= 1)
+    )
 
 
 def _needs_no_checks(mlp_module, compute_params) -> bool:
@@ -95,10 +99,16 @@ def _needs_no_checks(mlp_module, compute_params) -> bool:
 @torch.compiler.disable
 def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile, asked=False):
     """``asked``: the eager caller has found that the plain call's shortcut does not apply."""
-    intermediate = intermediate_size(mlp_module)
-    one_shard = _one_shard(x, intermediate, requested, tile)
+    one_shard = _one_shard(x, mlp_module, requested, tile)
     if not asked and one_shard and _needs_no_checks(mlp_module, compute_params):
         return fn(mlp_module, x)
+    declare = getattr(fn, "tiled_fast_path", None)
+    if declare is not None:
+        # The owner's declaration refuses a host its math would not reproduce (a ValueError, as fn's own call
+        # would raise): here, before the module is walked and before any gather, count or shard. The plain call
+        # above needs no such question: fn's call raises the same first thing.
+        declare(mlp_module)
+    intermediate = intermediate_size(mlp_module)
     found = _tiling.structure(mlp_module)
     params = trainable_params(mlp_module, compute_params, found)
     if one_shard and not _tiling.engine_managed(found, params):
