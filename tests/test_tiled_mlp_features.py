@@ -248,16 +248,20 @@ def test_compiled_tiled_layer_with_lora_dropout_is_exact(lk):
     assert_same(*results)
 
 
-def test_meta_tensors(lk):
-    """Shape propagation on the meta device (deferred init, memory planning) through forward and backward."""
+@pytest.mark.parametrize("name", ["auto", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_meta_tensors(lk, name, dtype):
+    """Shape propagation on the meta device (deferred init, memory planning) through forward and backward, also
+    with the Triton backend forced (a meta tensor has no data for a kernel)."""
     with torch.device("meta"):
-        host = llama_mlp().to("meta")
-        x = torch.empty(2, SEQ, HIDDEN, dtype=torch.float64, requires_grad=True)
+        host = llama_mlp().to("meta", dtype)
+        x = torch.empty(2, SEQ, HIDDEN, dtype=dtype, requires_grad=True)
     for layer in ("LigerTiledSwiGLUMLP", "LigerSwiGLUMLP"):
         module = bind(getattr(lk, layer), copy.deepcopy(host))
-        out = module(x)
-        assert out.shape == (2, SEQ, HIDDEN) and out.is_meta
-        out.sum().backward()
+        with backend(name):
+            out = module(x)
+            assert out.shape == (2, SEQ, HIDDEN) and out.is_meta
+            out.sum().backward()
         assert x.grad.shape == x.shape and module.gate_proj.weight.grad.is_meta
         x.grad = None
 

@@ -100,6 +100,8 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if choice == "auto":
         return runnable and on_device
     # choice == "triton": forced, e.g. by tests that run the kernels through the interpreter.
+    if tensor.is_meta:  # no data for any kernel to read: the PyTorch math gives the shapes, as on "auto"
+        return False
     if not runnable:
         raise RuntimeError(
             f"LIGER_KERNELS_BACKEND=triton but Triton cannot run this op "
