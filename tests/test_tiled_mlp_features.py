@@ -342,8 +342,8 @@ def test_host_whose_forward_differs_is_refused(lk):
 @pytest.mark.parametrize("setting", [{}, {"tile": True}, {"num_shards": 2}, {"tile": True, "compile": True}])
 def test_a_refused_host_fails_before_anything_runs(lk, setting, monkeypatch):
     """A tiled layer's refused host raises the layer's ValueError before a projection runs or the module is
-    walked: on the plain call of a short input (fn's own call) and where the host asks to tile (the fast path's
-    declaration, asked first), under torch.compile too."""
+    walked: on the plain call of a short input (fn's own call) and where the host asks to tile (the layer math's
+    ``tiled_check``, asked first), under torch.compile too."""
 
     class ScaledMLP(LlamaMLP):
         def forward(self, x):
@@ -365,6 +365,26 @@ def test_a_refused_host_fails_before_anything_runs(lk, setting, monkeypatch):
     with pytest.raises(ValueError, match="ScaledMLP cannot be served: its forward"):
         call(torch.randn(2, 5, HIDDEN, requires_grad=True))
     assert ran == [] and walked == []
+
+
+def test_the_tiled_check_reads_no_parameter(lk):
+    """The refusal the tiled MLP asks for first reads no parameter of a served host: inside DeepSpeed's forward,
+    reading a partitioned ZeRO-3 weight gathers it (a collective) and registers it with the running module."""
+
+    class Reads(dict):
+        def __getitem__(self, key):
+            read.append(key)
+            return super().__getitem__(key)
+
+    read = []
+    module = llama_mlp()
+    for child in module.children():
+        child._parameters = Reads(child._parameters)
+    module._parameters = Reads(module._parameters)
+    lk.gated_mlp.swiglu_mlp.tiled_check(module)
+    assert read == []
+    lk.gated_mlp.swiglu_mlp.tiled_fast_path(module)
+    assert read  # (the fast path's declaration does read the weights: the dict counts reads)
 
 
 @pytest.mark.parametrize("layer", ["LigerSwiGLUMLP", "LigerTiledSwiGLUMLP"])

@@ -5,7 +5,9 @@ host's projections and the fused activation, untiled; it is also the ``fn`` the 
 :func:`tiled_mlp.apply_tiled_mlp`. Its :meth:`GatedMLP.tiled_fast_path` is the declaration the tiled machinery
 asks for: where it returns an activation, the tiled MLP may run this same math itself, shard by shard, and
 recompute only gate and up in backward; where it returns None, the tiled MLP calls ``mlp(module, shard)``.
-Keep the two together: a change to the math here must be matched by the fast path it declares.
+Keep the two together: a change to the math here must be matched by the fast path it declares. Its
+:meth:`GatedMLP.tiled_check`, asked by the tiled machinery before anything else, refuses a host the math would not
+reproduce.
 """
 
 import torch
@@ -108,6 +110,13 @@ class GatedMLP:
             and _hosts.is_plain_linear(up_proj)
         )
         return down_proj(_gated.gated_apply(gate, up, activation, 1.0, 1.0, in_place, own_buffers=True))
+
+    def tiled_check(self, module: nn.Module) -> None:
+        """What the tiled MLP asks before it walks, gathers or tiles: ``check``'s ValueError for a host this math
+        would not reproduce (the tiled layers' refusal before any shard runs; their plain call refuses in its own
+        first step). Reads no parameter: inside DeepSpeed's forward, reading a partitioned ZeRO-3 weight gathers
+        it."""
+        self._resolve(module)
 
     def tiled_fast_path(self, module: nn.Module) -> GatedActivation | None:
         """The activation, when the tiled MLP may compute this math from the projections' weights directly:

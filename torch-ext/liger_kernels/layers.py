@@ -38,7 +38,7 @@ def tiled(fn, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``fn(module, x)`` through the tiled MLP; host attributes override the automatic choices: ``num_shards``
     (the shard count) and ``tile`` (True: always tile; False: never). A host that ``fn`` (a ``GatedMLP``) refuses
     fails with its ValueError before any shard runs: in ``fn``'s own call where the call runs untiled, and in
-    its fast path's declaration, asked first, where it tiles."""
+    its ``tiled_check``, asked first, where it tiles."""
     tile, num_shards = _host_setting(module, "tile"), _host_setting(module, "num_shards")
     return apply_tiled_mlp(fn, module, x, num_shards=num_shards, tile=tile)
 

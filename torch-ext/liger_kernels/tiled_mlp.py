@@ -49,6 +49,9 @@ def apply_tiled_mlp(
 
     Runs untiled, as the plain ``fn(mlp_module, x)``, where only that is exact (``_tiling.untiled_reason``)
     and under torch.export (an exported program is a forward graph; tiling is a training-memory device).
+    An ``fn`` with a ``tiled_check(mlp_module)`` (the package's gated MLPs) is asked it first wherever the call is
+    not the short plain one (one automatic shard, no engine's parameters): a host it refuses raises there, before
+    the module is walked and before any gather or shard (the short call's ``fn`` refuses it itself).
 
     tile: None (automatic) tiles a gated MLP whose owner declares the fast path (the package's layers) only
     where it lowers the peak (``_tiling.tiling_pays``; an explicit ``num_shards`` counts as asking to tile),
@@ -102,12 +105,13 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile, asked=False
     one_shard = _one_shard(x, mlp_module, requested, tile)
     if not asked and one_shard and _needs_no_checks(mlp_module, compute_params):
         return fn(mlp_module, x)
-    declare = getattr(fn, "tiled_fast_path", None)
-    if declare is not None:
-        # The owner's declaration refuses a host its math would not reproduce (a ValueError, as fn's own call
-        # would raise): here, before the module is walked and before any gather, count or shard. The plain call
-        # above needs no such question: fn's call raises the same first thing.
-        declare(mlp_module)
+    refuse = getattr(fn, "tiled_check", None)
+    if refuse is not None:
+        # The owner's refusal of a host its math would not reproduce (the ValueError fn's own call would raise),
+        # before the module is walked and before any gather, count or shard. It reads no parameter: inside
+        # DeepSpeed's forward, reading a partitioned ZeRO-3 weight gathers it. The plain call above needs no such
+        # question: fn's call raises the same first thing.
+        refuse(mlp_module)
     intermediate = intermediate_size(mlp_module)
     found = _tiling.structure(mlp_module)
     params = trainable_params(mlp_module, compute_params, found)
