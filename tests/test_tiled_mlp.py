@@ -124,6 +124,29 @@ def test_automatic_shard_count(lk, seq, hidden, expected):
 
 
 @pytest.mark.shard_policy
+def test_the_short_call_test_is_the_automatic_count(lk):
+    """``_one_shard`` skips reading the MLP's width below two minimum shards' rows (``_tiling.too_few_rows``): it
+    must say exactly what the automatic count says, on both sides of that bound and of three shards'."""
+    limit = lk._tiling.MIN_SHARD_TOKENS
+    assert limit == 2048
+    checked = tiled = 0
+    for intermediate in (None, 256, 2816, 14336):
+        mlp = types.SimpleNamespace(gate_proj=types.SimpleNamespace(out_features=intermediate))
+        for rows in (1, limit, 2 * limit - 1, 2 * limit, 2 * limit + 1, 3 * limit - 1, 3 * limit, 8 * limit):
+            for batch in (1, 4):
+                if rows % batch:
+                    continue
+                x = torch.empty(batch, rows // batch, 64, device="meta")
+                count = lk._tiling.auto_num_shards(x, intermediate)
+                assert lk.tiled_mlp._one_shard(x, mlp, None, None) == (count <= 1), (intermediate, rows, batch)
+                checked += 1
+                tiled += count > 1
+    assert tiled and checked - tiled  # both answers met
+    narrow = types.SimpleNamespace(gate_proj=types.SimpleNamespace(out_features=None))
+    assert not lk.tiled_mlp._one_shard(torch.empty(1, 2 * limit, 64, device="meta"), narrow, None, None)
+
+
+@pytest.mark.shard_policy
 @pytest.mark.parametrize(
     "hidden, intermediate, seq, expected",
     [
@@ -198,6 +221,7 @@ def test_the_one_shard_exit_finds_engine_parameters_as_the_structure_does(lk, mo
     def marked(path, frozen=False):
         mlp = GatedMLP(H, 128, bias=True).double()
         mlp.register_parameter("unset", None)
+        mlp.register_parameter("scale", torch.nn.Parameter(torch.ones((), dtype=torch.float64)))  # the MLP's own
         mlp.gate_proj.add_module("again", mlp.up_proj)  # one module in two places
         mlp.up_proj.add_module("itself", mlp.up_proj)  # and inside itself
         if path:
@@ -211,6 +235,7 @@ def test_the_one_shard_exit_finds_engine_parameters_as_the_structure_does(lk, mo
         ("up_proj.weight", False),
         ("down_proj.bias", True),
         ("gate_proj.weight", True),
+        ("scale", False),
     ):
         mlp = marked(path, frozen)
         assert (

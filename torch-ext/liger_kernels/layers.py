@@ -3,8 +3,9 @@
 ``kernelize`` binds a layer's ``forward`` to the host module (a ``LlamaMLP``, a ``GemmaMLP``, ...), so
 ``self`` is the host: the layers read its projections and hold no state of their own. ``kernels`` rejects a
 layer with a constructor or members other than ``forward``, ``can_torch_compile`` and ``has_backward``, so
-the math lives in module-level functions (gated_mlp.py for the MLPs). Each layer checks its host first and
-refuses, with a message, one whose forward it would not reproduce (``_hosts``).
+the math lives in module-level functions (gated_mlp.py for the MLPs). Each layer refuses, with a message, a
+host whose forward it would not reproduce (``_hosts``), before it runs anything of the host's (the tiled layers
+after the tiled call's checks of its input and the host's settings).
 """
 
 import torch
