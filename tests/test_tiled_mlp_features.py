@@ -339,17 +339,30 @@ def test_host_whose_forward_differs_is_refused(lk):
             host(torch.randn(2, 5, HIDDEN))
 
 
-@pytest.mark.parametrize("setting", [{}, {"tile": True}, {"num_shards": 2}, {"tile": True, "compile": True}])
-def test_a_refused_host_fails_before_anything_runs(lk, setting, monkeypatch):
-    """A tiled layer's refused host raises the layer's ValueError before a projection runs or the module is
-    walked: on the plain call of a short input (fn's own call) and where the host asks to tile (the layer math's
-    ``tiled_check``, asked first), under torch.compile too."""
+SETTINGS = [{}, {"tile": True}, {"tile": False}, {"num_shards": 2}, {"tile": True, "compile": True}, {"compile": True}]
 
-    class ScaledMLP(LlamaMLP):
+
+@pytest.mark.parametrize("seq", [5, SEQ])  # one automatic shard; three
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("layer", ["LigerTiledSwiGLUMLP", "LigerTiledGEGLUMLP"])
+def test_a_refused_host_fails_before_anything_runs(lk, layer, setting, seq, monkeypatch):
+    """A tiled layer's refused host raises the layer's ValueError before a projection runs or the module is
+    walked: on the plain call (fn's own call) and wherever the call may tile (the layer math's ``tiled_check``,
+    asked first), under torch.compile too."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    host_class, config = (
+        (LlamaMLP, LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE))
+        if layer == "LigerTiledSwiGLUMLP"
+        else (GemmaMLP, GemmaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE))
+    )
+
+    class ScaledMLP(host_class):
         def forward(self, x):
             return 2 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
-    module = ScaledMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE))
+    module = ScaledMLP(config)
     setting = dict(setting)
     compiled = setting.pop("compile", False)
     for name, value in setting.items():
@@ -360,10 +373,10 @@ def test_a_refused_host_fails_before_anything_runs(lk, setting, monkeypatch):
     walked = []
     structure = lk._tiling.structure
     monkeypatch.setattr(lk._tiling, "structure", lambda m: walked.append(m) or structure(m))
-    host = bind(lk.LigerTiledSwiGLUMLP, module)
+    host = bind(getattr(lk, layer), module)
     call = torch.compile(host, backend="eager") if compiled else host
     with pytest.raises(ValueError, match="ScaledMLP cannot be served: its forward"):
-        call(torch.randn(2, 5, HIDDEN, requires_grad=True))
+        call(torch.randn(2, seq, HIDDEN, requires_grad=True))
     assert ran == [] and walked == []
 
 
