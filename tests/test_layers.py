@@ -672,3 +672,26 @@ def test_a_gelu_subclass_with_its_own_forward_is_not_taken_for_gelu(lk):
     host.act_fn = HalfGELU()
     with pytest.raises(ValueError, match="HalfGELU"):
         bind(lk.LigerGEGLUMLP, host)(torch.randn(2, HIDDEN))
+
+
+def test_a_compiled_call_reads_each_host_class_its_own_form(lk):
+    """Under torch.compile a refused host's error makes dynamo compile the host-form lookup as a frame of its own;
+    its guards must tell one host class from another: a later class whose forward differs (here it doubles the
+    output) is refused, not served with an earlier class's form (it was, silently, with the map keyed by class)."""
+
+    class DoublingMLP(LlamaMLP):
+        def forward(self, x):
+            return 2 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    torch._dynamo.reset()
+    try:
+        x = torch.randn(2, 8, HIDDEN)
+        bind(lk.LigerSwiGLUMLP, LlamaMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE)))(x)
+        relu = LlamaMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, hidden_act="relu"))
+        with pytest.raises(ValueError, match="cannot be served"):
+            torch.compile(bind(lk.LigerSwiGLUMLP, relu), backend="eager")(x)
+        doubling = bind(lk.LigerSwiGLUMLP, DoublingMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE)))
+        with pytest.raises(ValueError, match="DoublingMLP cannot be served: its forward"):
+            torch.compile(doubling, backend="eager")(x)
+    finally:
+        torch._dynamo.reset()

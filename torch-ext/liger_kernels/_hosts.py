@@ -154,14 +154,17 @@ class HostForm(NamedTuple):
     act_attribute: str | None = None  # the activation the forward calls: "act_fn" or "activation_fn"
 
 
-_GATED_FORMS = {}  # host class -> HostForm
+# id(host class) -> (the class, its HostForm). Keyed by id, not by the class: torch.compile's dynamo, compiling
+# gated_form as a frame of its own (after a graph break, such as a refused host's error), guarded this map's entries
+# but not the class looked up, and served a later class an earlier one's form; id() makes it guard the class.
+_GATED_FORMS = {}
 
 
 def gated_form(cls) -> HostForm:
     """How the gated-MLP host class ``cls`` computes, read once per class."""
-    known = _GATED_FORMS.get(cls)
-    if known is not None:
-        return known
+    known = _GATED_FORMS.get(id(cls))
+    if known is not None and known[0] is cls:
+        return known[1]
     forward = cls.forward
     if forward is nn.Module.forward:  # no forward of its own: nothing to reproduce but the projections
         known = HostForm(None, None)
@@ -180,7 +183,7 @@ def gated_form(cls) -> HostForm:
         except (OSError, TypeError, SyntaxError, ValueError) as error:  # no source to read, or an odd one
             form, problem = None, f"its forward could not be read ({type(error).__name__}: {error})"
         known = HostForm(form, problem, act if form else None)
-    _GATED_FORMS[cls] = known
+    _GATED_FORMS[id(cls)] = (cls, known)
     return known
 
 
