@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _backend, _grad_sums, _hosts
+from . import _backend, _grad_sums, _hosts, _replay
 from . import attention as _attention
 from . import gated_mlp as _gated_mlp
 from . import layers as _layers
@@ -579,7 +579,7 @@ def _tiled_call(layer, hidden_states, attention_mask, past_key_values, position_
         return None
     if torch.nn.functional.scaled_dot_product_attention is not _attention._SDPA:
         return None  # replaced (context parallelism's ring attention patches it): the layer's attention is that
-    if torch.is_autocast_enabled(hidden_states.device.type):
+    if _replay.autocast_enabled(hidden_states.device.type):  # (the query raises for a device without autocast: meta)
         return None  # the layer's ops would run in autocast's dtypes
     attention = layer.self_attn
     if layer.training and attention.attention_dropout:
