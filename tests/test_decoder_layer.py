@@ -336,23 +336,12 @@ def test_cuda_tiled_layers_are_as_close_to_float64_as_the_layers(lk, chunk):
 def test_tiled_layers_on_meta_tensors_give_the_shapes(lk, monkeypatch):
     """A model built on the meta device (shape inference) runs its tiled decoder layers as the plain ones do: the
     autocast query for a meta tensor's device raised before."""
-    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama import modeling_llama
 
     monkeypatch.setattr(modeling_llama, "create_causal_mask", lambda **kwargs: None)  # (its own .item() on meta)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=16,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(config).to("meta").train()
+    model = tiny(torch.float32, device="meta")
     ids = torch.zeros(1, 96, dtype=torch.long, device="meta")
     plain = model(input_ids=ids, use_cache=False).logits
     assert lk.tile_decoder_layers(model, chunk=32, min_tokens=16) == 2
     tiled = model(input_ids=ids, use_cache=False).logits
-    assert tiled.is_meta and tiled.shape == plain.shape == (1, 96, 128)
+    assert tiled.is_meta and tiled.shape == plain.shape == (1, 96, VOCAB)
