@@ -433,3 +433,39 @@ def test_class_weights_strided_or_infinite_on_an_unused_class(lk, reduction, bac
         (want_grad,) = torch.autograd.grad(want, x64)
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
         assert rel_err(loss, want) <= FP32_BOUND and rel_err(grad, want_grad) <= FP32_BOUND
+
+
+def test_a_masked_start_of_the_vocabulary_is_no_nan(lk, backend_name):
+    """Every logit of the first column block -inf (a masked range at the start of the vocabulary, or a -inf bias):
+    the online logsumexp must not rescale from -inf to -inf (NaN); it did, on the Triton path, for the loss and
+    the gradient alike. The fused loss runs the same kernel."""
+    vocab = lk.cross_entropy.MAX_BLOCK + 100
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=generator)
+    logits[:, : lk.cross_entropy.MAX_BLOCK] = float("-inf")
+    logits.requires_grad_()
+    target = torch.randint(lk.cross_entropy.MAX_BLOCK, vocab, (3,), generator=generator)
+    logits64 = logits.detach().double().requires_grad_()
+    want = F.cross_entropy(logits64, target)
+    loss = lk.cross_entropy.cross_entropy(logits, target)
+    assert rel_err(loss, want) <= FP32_BOUND, f"loss {loss.item()} against {want.item()}"
+    (got,) = torch.autograd.grad(loss, logits)
+    (ref,) = torch.autograd.grad(want, logits64)
+    assert rel_err(got, ref) <= FP32_BOUND
+
+
+@pytest.mark.parametrize("softcap", [30.0, 1e4, 1e8])
+def test_a_softcap_far_above_the_logits_keeps_their_precision(lk, softcap, backend_name):
+    """softcap * tanh(x / softcap) with x / softcap near 0: tanh must not be computed as (1 - e) / (1 + e) there,
+    whose 1 - e cancels and quantized the capped logits (relative error 0.13 in the loss at softcap 1e8, 2e-3 in
+    the gradient at 1e6, on the Triton path)."""
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(N, V, generator=generator) * 3).requires_grad_()
+    target = torch.randint(0, V, (N,), generator=generator)
+    logits64 = logits.detach().double().requires_grad_()
+    want = F.cross_entropy(softcap * torch.tanh(logits64 / softcap), target)
+    loss = lk.cross_entropy.cross_entropy(logits, target, softcap=softcap)
+    assert rel_err(loss, want) <= FP32_BOUND
+    (got,) = torch.autograd.grad(loss, logits)
+    (ref,) = torch.autograd.grad(want, logits64)
+    assert rel_err(got, ref) <= FP32_BOUND

@@ -152,10 +152,19 @@ def check_flag(value, arg: str, op: str) -> bool:
 
 @jit
 def _tanh(z):
-    # tanh(|z|) = (1 - e) / (1 + e) with e = exp(-2 |z|) <= 1: finite for every z.
-    e = tl.exp2(-2.0 * _LOG2E * tl.abs(z))
+    # tanh(|z|) = (1 - e) / (1 + e) with e = exp(-2 |z|) <= 1: finite for every z. Near 0, 1 - e cancels (an
+    # absolute error of fp32's epsilon, relative 3e-8 / |z|: a softcap far above the logits would quantize them),
+    # so below |z| = 0.3 tanh's odd series to z**11 (the next term is 2e-9 of it there).
+    a = tl.abs(z)
+    e = tl.exp2(-2.0 * _LOG2E * a)
+    z2 = z * z
+    series = z * (
+        1.0
+        + z2
+        * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0 + z2 * (62.0 / 2835.0 + z2 * (-1382.0 / 155925.0)))))
+    )
     t = (1.0 - e) / (1.0 + e)
-    return tl.where(z < 0, -t, t)
+    return tl.where(a < 0.3, series, tl.where(z < 0, -t, t))
 
 
 @jit
@@ -250,7 +259,10 @@ def _ce_rows_kernel(
                     best = tl.maximum(best, block_best)
                 s = tl.where(mask, _capped(x, softcap, SOFTCAP), float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, axis=0))
-                d = d * tl.exp2((m - m_new) * _LOG2E) + tl.sum(tl.exp2((s - m_new) * _LOG2E), axis=0)
+                # Rescaled from a finite max: while every logit so far is -inf (a masked start of the vocabulary),
+                # -inf - -inf would be NaN, where the sum is 0 and stays 0
+                m_finite = tl.where(m_new == float("-inf"), 0.0, m_new)
+                d = d * tl.exp2((m - m_finite) * _LOG2E) + tl.sum(tl.exp2((s - m_finite) * _LOG2E), axis=0)
                 m = m_new
                 if SMOOTHING:
                     centered = tl.where(mask, s - s_y, 0.0)
