@@ -101,18 +101,23 @@ BUDGETS = {  # name: ((Python calls), (aten ops)), each (forward, no_grad forwar
     "gelu_mul": ((25, 22, 23), (1, 1, 2)),
     # its own apply binds the arguments (5 calls counted here) where PyTorch's ran inspect's binding, uncounted
     "LigerSiLUMulFunction": ((31, 31, 23), (1, 1, 2)),
-    "rms_norm": ((50, 43, 46), (4, 3, 5)),
+    # the weight's stride, asked before each launch: the kernels read it element after element, and a strided or
+    # expanded weight was read as if it were contiguous (NOTES.md §38)
+    "rms_norm": ((51, 44, 47), (4, 3, 5)),
     # forward with grad: whether a torch.func transform is active is asked (one call; PyTorch's apply refused the
     # Function under one), then autograd's C++ apply is called directly (NOTES.md §32);
     # no_grad: a decoding-sized call runs the activation and the product as two in-place aten ops instead of the
     # kernel's output allocation and launch (uncounted here, and dearer: benchmarks/NOTES.md §27)
     # the layers read their host's form from a map keyed by id(class): torch.compile's dynamo then guards the class
-    # (keyed by the class, a compiled frame served one class another's form; NOTES.md §37), one call more
-    "LigerSwiGLUMLP": ((59, 37, 25), (7, 7, 7)),
+    # (keyed by the class, a compiled frame served one class another's form; NOTES.md §37), one call more; the
+    # activation by its class itself (torch's or transformers' own, from a map keyed by id(class) as the form's) and
+    # no forward set on its instance, not by its class name, three more (a same-named class computed another curve
+    # without an error; NOTES.md §38)
+    "LigerSwiGLUMLP": ((62, 40, 25), (7, 7, 7)),
     # the tiled layer's short call: the host is resolved once (in the plain call itself, which refuses what the
     # layer's own check refused), the width is not read below two shards' rows, and the walk for ZeRO-3
     # parameters reads the leaves' parameters inline (NOTES.md §37)
-    "LigerTiledSwiGLUMLP, one shard": ((104, 82, 25), (7, 7, 7)),
+    "LigerTiledSwiGLUMLP, one shard": ((107, 85, 25), (7, 7, 7)),
     "liger_rotary_pos_emb": ((61, 57, 36), (7, 7, 4)),
     # the losses' reductions are two kernels of the package (more Python calls here) instead of five to nine aten
     # ops ("mean"'s divisors and the sums; 10-40 us each on the H200 machine, benchmarks/NOTES.md §23); the loss
@@ -129,8 +134,10 @@ BUDGETS = {  # name: ((Python calls), (aten ops)), each (forward, no_grad forwar
     "cross_entropy": ((52, 52, 22), (11, 11, 1)),
     "liger_fused_linear_cross_entropy": ((165, 134, 31), (20, 15, 0)),
     "LigerFusedLinearCrossEntropyFunction": ((144, 144, 31), (20, 20, 0)),
-    "LigerForCausalLMLoss": ((66, 66, 22), (15, 15, 2)),
-    "LigerForCausalLMLoss, fused": ((182, 151, 31), (24, 19, 1)),
+    # the logits or hidden states checked against the width and the labels before the reshape to rows (a frame and
+    # two numel() calls): a misshapen input was a reshape's error, or one blaming the loss's target (NOTES.md §38)
+    "LigerForCausalLMLoss": ((69, 69, 22), (15, 15, 2)),
+    "LigerForCausalLMLoss, fused": ((185, 154, 31), (24, 19, 1)),
 }
 
 

@@ -345,3 +345,26 @@ def test_tiled_layers_on_meta_tensors_give_the_shapes(lk, monkeypatch):
     assert lk.tile_decoder_layers(model, chunk=32, min_tokens=16) == 2
     tiled = model(input_ids=ids, use_cache=False).logits
     assert tiled.is_meta and tiled.shape == plain.shape == (1, 96, VOCAB)
+
+
+@pytest.mark.parametrize("rotary", ["own forward", "package layer"])
+def test_layers_are_tiled_after_kernelize_binds_the_rotary_module(lk, rotary):
+    """kernelize binds a forward on the module transformers makes of apply_rotary_pos_emb: the package's rotary
+    layer, or, where the mapping has no "rotary_pos_emb" row, the module's own forward. Either is Llama's rotary
+    (the second was refused: "no decoder layer of Llama's form")."""
+    from transformers.models.llama import modeling_llama
+
+    function = modeling_llama.apply_rotary_pos_emb
+    layer = type(function).forward if rotary == "own forward" else lk.liger_rotary_pos_emb_layer.forward
+    function.forward = types.MethodType(layer, function)  # (the autouse fixture unbinds it)
+    model = exact_norms(lk, tiny())
+    ids = ids_for(2, 40)
+    ref_loss, ref_grads = loss_and_grads(model, ids)
+    for module in model.model.layers.modules():  # the tiled path reads the layers' norms' own class forward
+        module.__dict__.pop("forward", None)
+    assert lk.tile_decoder_layers(model, chunk=16, min_tokens=80) == 2
+    assert tiled_nodes(model, ids) == 2
+    loss, grads = loss_and_grads(model, ids)
+    assert abs(loss - ref_loss) / ref_loss < 1e-14
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel_err(got, want) < 1e-12

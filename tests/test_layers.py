@@ -1,6 +1,7 @@
 """Layers for kernelize: parity with transformers' MLPs, activation checks, in-place backward, kernelize."""
 
 import copy
+import functools
 import sys
 import types
 
@@ -695,3 +696,101 @@ def test_a_compiled_call_reads_each_host_class_its_own_form(lk):
             torch.compile(doubling, backend="eager")(x)
     finally:
         torch._dynamo.reset()
+
+
+class SiLU(torch.nn.Module):
+    """A model's own activation that shares torch's class name and computes another curve (swish, beta 2)."""
+
+    def forward(self, z):
+        return z * torch.sigmoid(2.0 * z)
+
+
+class PatchedSiLU(torch.nn.SiLU):
+    pass
+
+
+def _instance_forward(act_fn):
+    act_fn.forward = lambda z: 2 * torch.nn.functional.silu(z)
+    return act_fn
+
+
+NOT_THE_ACTIVATION = {  # an act_fn the layer must not take for the activation its class name says, what it says
+    "same name": (SiLU, "act_fn test_layers.SiLU, not torch's or transformers' own SiLU"),
+    "instance forward": (lambda: _instance_forward(torch.nn.SiLU()), "SiLU with a forward set on the instance"),
+    "gelu instance forward": (lambda: _instance_forward(torch.nn.GELU()), "GELU with a forward set on the instance"),
+}
+
+
+class HubSilu(torch.nn.Module):
+    """A kernel layer for transformers' "SiLU" (kernels-community/activation's ``Silu`` in transformers' mapping)."""
+
+    def forward(self, z):
+        return torch.nn.functional.silu(z)
+
+
+def test_an_activation_kernelized_by_its_mapping_is_still_taken_for_it(lk):
+    """transformers maps "SiLU" to a hub kernel in inference: kernelize binds that layer's forward to each
+    SiLUActivation (kernels' ``_replace_forward``). The MLP layer trusts it as kernelize does and serves the host;
+    a forward set on the instance otherwise is refused (test below)."""
+    host, x = llama_mlp(), torch.randn(2, 3, HIDDEN)
+    assert type(host.act_fn).kernel_layer_name == "SiLU"
+    host.act_fn.forward = types.MethodType(HubSilu.forward, host.act_fn)
+    with torch.no_grad():
+        assert rel_err(bind(lk.LigerSwiGLUMLP, copy.deepcopy(host))(x), LlamaMLP.forward(host, x)) < 1e-6
+
+
+@pytest.mark.parametrize("case", sorted(NOT_THE_ACTIVATION))
+def test_an_activation_is_known_by_its_class_and_code_not_its_name(lk, case):
+    """The activation is read from the act_fn's class itself, torch's or transformers' own, with the forward
+    written there: a same-named class of a model's own, or a forward set on the instance, is refused (both were
+    served as SiLU / GELU, silently computing another curve); the stock modules are served."""
+    make, message = NOT_THE_ACTIVATION[case]
+    host, x = llama_mlp(), torch.randn(2, 3, HIDDEN)
+    layer = lk.LigerGEGLUMLP if "gelu" in case else lk.LigerSwiGLUMLP
+    with torch.no_grad():
+        for stock in (torch.nn.GELU(), torch.nn.GELU("tanh")) if "gelu" in case else (torch.nn.SiLU(), host.act_fn):
+            host.act_fn = stock
+            assert rel_err(bind(layer, copy.deepcopy(host))(x), LlamaMLP.forward(host, x)) < 1e-6
+        host.act_fn = make()
+        with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+            bind(layer, host)(x)
+
+
+@pytest.mark.parametrize("layer", ["LigerSwiGLUMLP", "LigerTiledSwiGLUMLP", "LigerRMSNorm"])
+def test_a_host_class_whose_forward_is_replaced_after_a_call_is_read_again(lk, layer):
+    """A host class served once and then given another forward (here one that doubles the output) is read again
+    and refused: the host reader's cache was keyed by the class alone and served the old forward's math."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = layer == "LigerRMSNorm"
+    host_class = type("Host", (LlamaRMSNorm if norm else LlamaMLP,), {})
+    stock = host_class.forward
+    host = host_class(HIDDEN) if norm else host_class(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE))
+    x = torch.randn(2, 3, HIDDEN)
+    served = bind(getattr(lk, layer), copy.deepcopy(host))
+    with torch.no_grad():
+        assert rel_err(served(x), stock(host, x)) < 1e-6
+        host_class.forward = lambda self, hidden: 2 * stock(self, hidden)
+        with pytest.raises(ValueError, match="Host"):
+            served(x)
+        host_class.forward = stock  # the form it was read with: served again
+        assert rel_err(served(x), stock(host, x)) < 1e-6
+
+
+def test_a_wrapped_host_forward_is_not_read_as_the_one_it_wraps(lk):
+    """A functools.wraps wrapper assigned in the class body (no decorator line): inspect.getsource of the forward
+    follows ``__wrapped__`` to LlamaMLP's, so the host was served without what the wrapper adds."""
+
+    def doubled(forward):
+        @functools.wraps(forward)
+        def twice(self, x):
+            return 2 * forward(self, x)
+
+        return twice
+
+    class WrappedMLP(LlamaMLP):
+        forward = doubled(LlamaMLP.forward)
+
+    host = WrappedMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE))
+    with pytest.raises(ValueError, match="WrappedMLP cannot be served: its forward could not be read.*wraps another"):
+        bind(lk.LigerSwiGLUMLP, host)(torch.randn(2, HIDDEN))

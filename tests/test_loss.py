@@ -915,3 +915,23 @@ def test_loss_compiles_without_graph_break(lk):
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-8)
     torch._dynamo.reset()
+
+
+MISSHAPEN = {  # case: (logits or hidden states, message)
+    "hidden size": (lambda: {"hidden_states": torch.randn(B, S, H + 1)}, "`hidden_states` must end in the head's"),
+    "hidden positions": (lambda: {"hidden_states": torch.randn(B, S + 1, H)}, "`hidden_states` must hold one"),
+    "logits width": (lambda: {"logits": torch.randn(B, S, V + 2)}, "`logits` must end in `vocab_size`"),
+    "logits positions": (lambda: {"logits": torch.randn(B, S - 1, V)}, "`logits` must hold one position"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISSHAPEN))
+def test_misshapen_inputs_are_named(lk, case):
+    """Hidden states or logits that do not end in the head's width, or hold another number of positions than the
+    labels: a ValueError naming them (it was a reshape's RuntimeError, or an error about the loss's `target`)."""
+    make, message = MISSHAPEN[case]
+    inputs = {"logits": None, **make()}
+    if "hidden_states" in inputs:
+        inputs["lm_head_weight"] = torch.randn(V, H)
+    with pytest.raises(ValueError, match=message.replace("`", "`")):
+        lk.LigerForCausalLMLoss(labels=batch(), vocab_size=V, **inputs)

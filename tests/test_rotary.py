@@ -793,3 +793,49 @@ def test_cuda_compiled_equals_eager(lk, cuda_auto, fresh_dynamo):
     got_grad = grads(got, qkv, (torch.ones_like(got[0]), torch.ones_like(got[1])))
     for g, w in zip((*got, *got_grad), (*want, *want_grad)):
         assert rel_err(g, w) < 1e-2
+
+
+# Tagged "rotary_pos_emb" functions of other forms than Llama's, the layer bound to each (as kernelize binds it):
+# model -> (cos/sin half width, what the layer must do)
+HOST_FORMS = {
+    "olmo2": (False, "served"),  # the result cast back to q's and k's dtypes
+    "modernbert": (False, "served"),  # in fp32, cast back to q's dtype
+    "hunyuan_vl": (False, "served"),  # the same, with cos and sin in fp32 too
+    "nanochat": (False, "served"),  # rotate_half the other way: the rotation by -sin
+    "gpt_oss": (True, "served"),  # half-width cos and sin
+    "openai_privacy_filter": (False, "refused"),  # interleaved pairs
+}
+
+
+@pytest.mark.parametrize("model", sorted(HOST_FORMS))
+def test_the_layer_computes_the_form_of_the_function_it_is_bound_to(lk, model, backend_name):
+    """The layer reads the function it replaces: bound to another form than Llama's it computes that form, with
+    that function's result dtype, or refuses it (it computed Llama's for every host: NanoChat's rotation came out
+    reversed, OLMo's fp32 where the host's is bf16, the interleaved pairs of the privacy filter scrambled)."""
+    import importlib
+
+    function = importlib.import_module(f"transformers.models.{model}.modeling_{model}").apply_rotary_pos_emb
+    half, expected = HOST_FORMS[model]
+
+    def host(*args):
+        return type(function).forward(function, *args)
+
+    def layer(*args):
+        return lk.liger_rotary_pos_emb_layer.forward(function, *args)
+
+    torch.manual_seed(7)
+    q, k, cos, sin, dim, _ = make_case("bshd_transposed", torch.float32, half=half)
+    if expected == "refused":
+        with pytest.raises(ValueError, match="modeling_openai_privacy_filter.apply_rotary_pos_emb cannot be served"):
+            layer(q, k, cos, sin, dim)
+        return
+    q64, k64, cos64, sin64 = (t.detach().double().requires_grad_() for t in (q, k, cos, sin))
+    q, k = q.requires_grad_(), k.requires_grad_()
+    got, want = layer(q, k, cos, sin, dim), host(q64, k64, cos64, sin64, dim)
+    d_outs = [torch.randn_like(t) for t in got]
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32 and rel_err(g, w) < 1e-6
+    for g, w in zip(grads(got, (q, k), d_outs), grads(want, (q64, k64), [d.double() for d in d_outs])):
+        assert rel_err(g, w) < 1e-6
+    low = [t.detach().bfloat16() for t in (q, k)]  # bf16 queries with fp32 cos/sin (autocast over an fp32 model)
+    assert [t.dtype for t in layer(*low, cos, sin, dim)] == [t.dtype for t in host(*low, cos, sin, dim)]

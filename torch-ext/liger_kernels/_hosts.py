@@ -18,7 +18,10 @@ same method: a syntax-tree reading of the host's forward, once per class.
 
 import ast
 import inspect
+import os
+import sys
 import textwrap
+import types
 from typing import NamedTuple
 
 import torch
@@ -54,14 +57,57 @@ def host_activation(module: nn.Module, attributes=_ACTIVATION_ATTRIBUTES) -> str
 def activation_of(act_fn, attribute: str) -> str:
     """The registry name of the activation ``act_fn`` (a host's ``attribute``), or a string describing one this
     package lacks."""
-    if isinstance(act_fn, nn.GELU) and type(act_fn).forward is nn.GELU.forward:  # a subclass may compute another
+    cls = type(act_fn)
+    if "forward" in getattr(act_fn, "__dict__", ()) and not _kernelized(act_fn, cls):
+        return f"{attribute} {cls.__name__} with a forward set on the instance"
+    if isinstance(act_fn, nn.GELU) and cls.forward is nn.GELU.forward:  # a subclass may compute another
         return "gelu_tanh" if act_fn.approximate == "tanh" else "gelu"
     if act_fn is torch.nn.functional.silu:
         return "silu"
     if act_fn is torch.nn.functional.gelu:
         return "gelu"
-    name = type(act_fn).__name__
-    return _BY_CLASS.get(name, f"{attribute} {name}")
+    forward = getattr(cls, "forward", None)
+    known = _ACTIVATION_CLASSES.get(id(cls))
+    if known is None or known[0] is not cls or known[1] is not forward:
+        if len(_ACTIVATION_CLASSES) >= MAX_FORMS:
+            _ACTIVATION_CLASSES.clear()
+        known = _ACTIVATION_CLASSES[id(cls)] = (cls, forward, _library_activation(cls, forward))
+    if known[2] is not None:
+        return known[2]
+    if cls.__name__ in _BY_CLASS:  # a name the registry lists, on another class (or the class's forward patched)
+        return f"{attribute} {cls.__module__}.{cls.__qualname__}, not torch's or transformers' own {cls.__name__}"
+    return f"{attribute} {cls.__name__}"
+
+
+def _kernelized(act_fn, cls) -> bool:
+    """Whether ``act_fn``'s own forward is what ``kernels.kernelize`` installs on a module of a class it may extend
+    (``kernel_layer_name``): a forward bound to the module, the class's own (no kernel mapped) or a kernel layer's,
+    which the kernel mapping declares to compute the class's activation (transformers maps "SiLU", "GeluTanh"...
+    to such kernels in inference). That is trusted as kernelize trusts it; any other forward set on an instance
+    (a patch of the module's call) is not."""
+    forward = act_fn.__dict__["forward"]
+    if not (isinstance(forward, types.MethodType) and forward.__self__ is act_fn):
+        return False
+    function = forward.__func__
+    return function is getattr(cls, "forward", None) or (
+        getattr(cls, "kernel_layer_name", None) is not None and getattr(function, "__name__", None) == "forward"
+    )
+
+
+# id(activation class) -> (the class, its forward, its registry name or None), as _GATED_FORMS.
+_ACTIVATION_CLASSES = {}
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+
+
+def _library_activation(cls, forward) -> str | None:
+    """The registry name of ``cls`` where it is torch's or transformers' own activation class of a name the
+    registry lists, with the forward defined there; else None. A class of the same name elsewhere (a model's
+    own ``SiLU`` computing another curve) or a forward patched onto the class is not taken for it."""
+    name = _BY_CLASS.get(cls.__name__)
+    module = sys.modules.get(cls.__module__) if cls.__module__ in _ACTIVATION_MODULES else None
+    if name is None or module is None or getattr(module, cls.__name__, None) is not cls:
+        return None
+    return name if _torchs_own(forward, module) else None
 
 
 def describe(found: str) -> str:
@@ -154,23 +200,40 @@ class HostForm(NamedTuple):
     act_attribute: str | None = None  # the activation the forward calls: "act_fn" or "activation_fn"
 
 
-# id(host class) -> (the class, its HostForm). Keyed by id, not by the class: torch.compile's dynamo, compiling
-# gated_form as a frame of its own (after a graph break, such as a refused host's error), guarded this map's entries
-# but not the class looked up, and served a later class an earlier one's form; id() makes it guard the class.
+# id(host class) -> (the class, the forward read, its HostForm). Keyed by id, not by the class: torch.compile's
+# dynamo, compiling gated_form as a frame of its own (after a graph break, such as a refused host's error), guarded
+# this map's entries but not the class looked up, and served a later class an earlier one's form; id() makes it
+# guard the class. The forward too: a class whose forward is replaced after a call is read again, not served the
+# form of the forward it had. Bounded: parametrize makes a class per parametrized module.
 _GATED_FORMS = {}
+MAX_FORMS = 1024
+
+
+def own_source(function) -> str:
+    """The source of ``function``'s own code, dedented (``inspect.getsource`` of the function itself follows
+    ``__wrapped__`` to the function a ``functools.wraps`` wrapper wraps: a wrapper assigned in a class body,
+    ``forward = clamp(LlamaRMSNorm.forward)`` or ``forward = torch.no_grad()(...)``, would read as the form it wraps,
+    and what it adds would be dropped). Raises TypeError for a wrapper or a callable without code of its own,
+    OSError where the source cannot be found."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        raise TypeError(f"{type(function).__name__} has no code of its own")
+    if hasattr(function, "__wrapped__"):
+        raise TypeError(f"it wraps another function ({code.co_name} in {code.co_filename})")
+    return textwrap.dedent(inspect.getsource(code))
 
 
 def gated_form(cls) -> HostForm:
-    """How the gated-MLP host class ``cls`` computes, read once per class."""
-    known = _GATED_FORMS.get(id(cls))
-    if known is not None and known[0] is cls:
-        return known[1]
+    """How the gated-MLP host class ``cls`` computes, read once per class and forward."""
     forward = cls.forward
+    known = _GATED_FORMS.get(id(cls))
+    if known is not None and known[0] is cls and known[1] is forward:
+        return known[2]
     if forward is nn.Module.forward:  # no forward of its own: nothing to reproduce but the projections
         known = HostForm(None, None)
     else:
         try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+            tree = ast.parse(own_source(forward))
             function = tree.body[0]
             if not isinstance(function, ast.FunctionDef):
                 raise _Unknown("a forward that is not a plain def")
@@ -183,7 +246,9 @@ def gated_form(cls) -> HostForm:
         except (OSError, TypeError, SyntaxError, ValueError) as error:  # no source to read, or an odd one
             form, problem = None, f"its forward could not be read ({type(error).__name__}: {error})"
         known = HostForm(form, problem, act if form else None)
-    _GATED_FORMS[id(cls)] = (cls, known)
+    if len(_GATED_FORMS) >= MAX_FORMS:
+        _GATED_FORMS.clear()
+    _GATED_FORMS[id(cls)] = (cls, forward, known)
     return known
 
 
@@ -207,8 +272,8 @@ def _hooks_anywhere(module: nn.Module, ignore=None) -> bool:
 
 
 def _torchs_own(function, module) -> bool:
-    """Whether ``function`` is defined in torch's ``module`` itself: a patch made before this import, even one
-    that copies the original's names with ``functools.wraps``, has its code elsewhere."""
+    """Whether ``function`` is defined in ``module`` itself (torch's, or transformers' activations): a patch, even
+    one that copies the original's names with ``functools.wraps``, has its code elsewhere."""
     code = getattr(function, "__code__", None)
     return code is not None and code.co_filename == module.__file__ and not hasattr(function, "__wrapped__")
 
@@ -378,7 +443,10 @@ def _normalized(source: str):
 
 
 _KNOWN_FORMS = {_normalized(source)[0]: (casting, offset) for source, casting, offset in _RMS_NORM_FORMS}
-_RMS_NORM_HOSTS = {}  # host class -> (casting, offset, epsilon attribute, "" or why it is refused)
+# host class -> (the forward read or declared, (casting, offset, epsilon attribute, "" or why it is refused),
+# whether declared): a class whose forward is replaced after a call is read again. Bounded, as _GATED_FORMS (the
+# classes read; declarations stay).
+_RMS_NORM_HOSTS = {}
 
 
 def _classify_rms_norm_host(cls) -> tuple:
@@ -396,10 +464,15 @@ def _classify_rms_norm_host(cls) -> tuple:
             ),
         )
 
+    if hasattr(cls.forward, "__wrapped__"):
+        return refused(
+            "has a wrapped forward (a decorator, or a functools.wraps wrapper assigned in the class body), whose "
+            "additions the layer would not reproduce"
+        )
     try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return refused("has a forward whose source cannot be read to confirm what it computes")
+        source = own_source(cls.forward)
+    except (OSError, TypeError) as error:
+        return refused(f"has a forward whose source cannot be read to confirm what it computes ({error})")
     normalized = _normalized(source)
     form = _KNOWN_FORMS.get(normalized[0]) if normalized is not None else None
     if form is None:
@@ -411,10 +484,14 @@ def rms_norm_host(cls) -> tuple:
     """``(casting, offset, eps attribute, refusal)`` for a host class, cached. Under torch.compile it is
     evaluated while tracing and its result used as a constant (the mark torch.compiler.assume_constant_result
     sets, set here without importing dynamo when the package loads)."""
-    form = _RMS_NORM_HOSTS.get(cls)
-    if form is None:
-        form = _RMS_NORM_HOSTS[cls] = _classify_rms_norm_host(cls)
-    return form
+    forward = cls.forward
+    known = _RMS_NORM_HOSTS.get(cls)
+    if known is None or known[0] is not forward:
+        if len(_RMS_NORM_HOSTS) >= MAX_FORMS:
+            for read in [c for c, entry in _RMS_NORM_HOSTS.items() if not entry[2]]:
+                del _RMS_NORM_HOSTS[read]
+        known = _RMS_NORM_HOSTS[cls] = (forward, _classify_rms_norm_host(cls), False)
+    return known[1]
 
 
 rms_norm_host._dynamo_marked_constant = True
@@ -423,7 +500,8 @@ rms_norm_host._dynamo_marked_constant = True
 def declare_rms_norm_host(host_class, casting="llama", offset=0.0, eps_attribute="variance_epsilon") -> None:
     """Declare that ``host_class.forward`` computes ``rms_norm(x, self.weight, self.<eps_attribute>, offset,
     casting)``, for a host LigerRMSNorm does not recognize (e.g. ``GemmaRMSNorm``: ``casting="gemma",
-    offset=1.0, eps_attribute="eps"``). The declaration is trusted, not checked."""
+    offset=1.0, eps_attribute="eps"``). The declaration is trusted, not checked, for the forward the class has
+    when declared: a forward assigned to the class later is read as any host's."""
     if not isinstance(host_class, type):
         raise TypeError(f"declare_rms_norm_host: `host_class` must be a class, got {type(host_class).__name__}")
     if casting not in _rms_norm.CASTINGS:
@@ -431,7 +509,7 @@ def declare_rms_norm_host(host_class, casting="llama", offset=0.0, eps_attribute
     if not isinstance(eps_attribute, str):
         raise TypeError(f"declare_rms_norm_host: `eps_attribute` must be a str, got {type(eps_attribute).__name__}")
     offset = _rms_norm._check_real(offset, "offset")
-    _RMS_NORM_HOSTS[host_class] = (casting, offset, eps_attribute, "")
+    _RMS_NORM_HOSTS[host_class] = (host_class.forward, (casting, offset, eps_attribute, ""), True)
 
 
 def has_hooks(module: nn.Module) -> bool:
@@ -444,3 +522,196 @@ def has_hooks(module: nn.Module) -> bool:
     hooks = [hook for table in tables for hook in table.values()]
     engine_only = next(module.parameters(), None) is None
     return any(not (engine_only and _zero3.is_engine_hook(hook)) for hook in hooks)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rotary hosts. transformers tags ``apply_rotary_pos_emb`` with "rotary_pos_emb" in over a hundred modeling files,
+# and kernels makes each tagged function a module (its ``Func`` class) to which kernelize binds the rotary layer.
+# Most are Llama's; others cast the result back to the inputs' dtype, rotate the other way, or rotate interleaved
+# pairs. The layer reads the function (and the helper it calls) as the RMSNorm reader reads a forward, and serves
+# the forms below; anything else is refused. Decorators in a function's source do not count: they made the module,
+# and the module runs the function itself.
+
+ROTARY_PROMOTED, ROTARY_Q_K_DTYPES, ROTARY_Q_DTYPE = "promoted", "q and k dtypes", "q dtype"
+
+_ROTATE_HALF = """
+def f(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+"""
+_ROTATE_HALF_THE_OTHER_WAY = _ROTATE_HALF.replace("(-x2, x1)", "(x2, -x1)")  # the rotation by -sin
+_CHUNKED_HALVES = """
+def f(x, cos, sin):
+    first_half, second_half = torch.chunk(x, 2, dim=-1)
+    first_ = first_half * cos - second_half * sin
+    second_ = second_half * cos + first_half * sin
+    return torch.cat((first_, second_), dim=-1)
+"""
+_ROTARY_FORMS = (  # (function, the helper it calls by name, the helper, the result's dtype, sin's sign)
+    # Llama's (and a hundred others'): the result in the promoted dtype
+    (
+        """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = q * cos + rotate_half(q) * sin
+    k_embed = k * cos + rotate_half(k) * sin
+    return q_embed, k_embed
+""",
+        "rotate_half",
+        ((_ROTATE_HALF, 1.0), (_ROTATE_HALF_THE_OTHER_WAY, -1.0)),
+        ROTARY_PROMOTED,
+    ),
+    # OLMo's: cast back to q's and k's dtypes
+    (
+        """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    q_type, k_type = q.dtype, k.dtype
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = q * cos + rotate_half(q) * sin
+    k_embed = k * cos + rotate_half(k) * sin
+    return q_embed.to(q_type), k_embed.to(k_type)
+""",
+        "rotate_half",
+        ((_ROTATE_HALF, 1.0),),
+        ROTARY_Q_K_DTYPES,
+    ),
+    # ESM's and ModernBERT's: in fp32 (or finer), cast back to q's dtype
+    (
+        """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    original_dtype = q.dtype
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = q.float() * cos + rotate_half(q.float()) * sin
+    k_embed = k.float() * cos + rotate_half(k.float()) * sin
+    return q_embed.to(original_dtype), k_embed.to(original_dtype)
+""",
+        "rotate_half",
+        ((_ROTATE_HALF, 1.0),),
+        ROTARY_Q_DTYPE,
+    ),
+    # HunYuan-VL's: the same with cos and sin in fp32 too
+    (
+        """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    origin_dtype = q.dtype
+    q, k = q.float(), k.float()
+    cos = cos.unsqueeze(unsqueeze_dim).float()
+    sin = sin.unsqueeze(unsqueeze_dim).float()
+    q_embed = q * cos + rotate_half(q) * sin
+    k_embed = k * cos + rotate_half(k) * sin
+    return q_embed.to(origin_dtype), k_embed.to(origin_dtype)
+""",
+        "rotate_half",
+        ((_ROTATE_HALF, 1.0),),
+        ROTARY_Q_DTYPE,
+    ),
+    # gpt-oss's: half-width cos and sin for the two halves, which the rotary function takes as such
+    (
+        """
+def f(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = _apply_rotary_emb(q, cos, sin)
+    k_embed = _apply_rotary_emb(k, cos, sin)
+    return q_embed, k_embed
+""",
+        "_apply_rotary_emb",
+        ((_CHUNKED_HALVES, 1.0),),
+        ROTARY_PROMOTED,
+    ),
+)
+
+
+def _dump(source: str):
+    """``_normalized``'s dump of a function's source, its decorators left out (None where it is not one)."""
+    normalized = _normalized(_without_decorators(source))
+    return normalized[0] if normalized is not None else None
+
+
+def _without_decorators(source: str) -> str:
+    try:
+        function = ast.parse(textwrap.dedent(source)).body[0]
+    except (SyntaxError, IndexError):
+        return source
+    if isinstance(function, ast.FunctionDef):
+        function.decorator_list = []
+        return ast.unparse(function)
+    return source
+
+
+# function dump -> (helper name, {helper dump: sin's sign}, the result's dtype)
+_KNOWN_ROTARY = {
+    _dump(function): (helper, {_dump(source): sign for source, sign in helpers}, result)
+    for function, helper, helpers, result in _ROTARY_FORMS
+}
+
+
+def kernels_function(cls):
+    """The function a kernels ``Func`` module class wraps (what ``use_kernel_func_from_hub`` makes of a function),
+    else None."""
+    forward = getattr(cls, "forward", None)
+    code = getattr(forward, "__code__", None)
+    if (
+        cls.__name__ != "Func"
+        or code is None
+        or not code.co_filename.endswith(os.path.join("kernels", "layer", "layer.py"))
+    ):
+        return None
+    wrapped = [c.cell_contents for c in forward.__closure__ or ()]
+    return wrapped[0] if len(wrapped) == 1 and isinstance(wrapped[0], types.FunctionType) else None
+
+
+_ROTARY_HOSTS = {}  # host class -> (its function, the helper's name, the helper, (result dtype, sin's sign, refusal))
+
+
+def rotary_host(cls) -> tuple:
+    """``(result dtype, sin's sign, refusal)`` for the module class the rotary layer is bound to: the result's dtype
+    (``ROTARY_PROMOTED``, ``ROTARY_Q_K_DTYPES`` or ``ROTARY_Q_DTYPE``), -1.0 for a function that rotates by -sin,
+    and "" or why the host is refused. Cached per class, read again where the function's helper was replaced.
+    Under torch.compile it is evaluated while tracing and used as a constant (as ``rms_norm_host``)."""
+    known = _ROTARY_HOSTS.get(cls)
+    if known is not None and known[0] is not None and known[0].__globals__.get(known[1]) is known[2]:
+        return known[3]
+    function = kernels_function(cls)
+    helper_name = helper = None
+    if function is None:
+        result = (None, 1.0, "it is not a function transformers tags (kernels' module of one)")
+    else:
+        try:
+            form = _KNOWN_ROTARY.get(_dump(own_source(function)))
+        except (OSError, TypeError) as error:
+            form, why = None, f"its source cannot be read ({error})"
+        else:
+            why = "it computes another form (interleaved pairs, other casts, ...)"
+        if form is not None:
+            helper_name, helpers, dtype = form
+            helper = function.__globals__.get(helper_name)
+            try:
+                sign = helpers.get(_dump(own_source(helper)))
+            except (OSError, TypeError) as error:
+                sign, why = None, f"its `{helper_name}` cannot be read ({error})"
+            else:
+                why = f"its `{helper_name}` computes another form"
+        result = (
+            (dtype, sign, "") if form is not None and sign is not None else (None, 1.0, _rotary_refusal(function, why))
+        )
+    if len(_ROTARY_HOSTS) >= MAX_FORMS:
+        _ROTARY_HOSTS.clear()
+    _ROTARY_HOSTS[cls] = (function, helper_name, helper, result)
+    return result
+
+
+rotary_host._dynamo_marked_constant = True
+
+
+def _rotary_refusal(function, why: str) -> str:
+    name = f"{function.__module__}.{function.__qualname__}" if function is not None else "this host"
+    return (
+        f"liger_rotary_pos_emb_layer reproduces transformers' apply_rotary_pos_emb (x * cos + rotate_half(x) * sin, "
+        f"and the forms that cast it back to q's dtype), but {name} cannot be served: {why}; leave "
+        '"rotary_pos_emb" unmapped for this model (lk.kernel_mapping(layers=[...]) without it)'
+    )

@@ -26,7 +26,7 @@ class GatedActivation(NamedTuple):
     torch_value: Callable  # (z) -> act(z), z in fp32 or fp64
     torch_value_and_grad: Callable  # (z) -> (act(z), act'(z))
     reference: Callable  # (z float64) -> act(z), independent of the above: what tests compare against
-    host_classes: tuple[str, ...]  # class names of transformers activation modules computing it
+    host_classes: tuple[str, ...]  # names of torch's or transformers' own activation classes computing it
     config_names: tuple[str, ...]  # hidden_act / hidden_activation strings naming it
     # (z) -> act(z) written over z, in z's dtype: PyTorch's own op (what nn.SiLU, GELUTanh or GELUActivation
     # call in their default form). The layers' small inference calls use it (gated_mlp.py), where a launch would

@@ -33,7 +33,6 @@ forward.
 
 import ast
 import functools
-import inspect
 import sys
 import textwrap
 import types
@@ -409,7 +408,7 @@ def _segment(text, node) -> str:
 
 def _source(function):
     try:
-        return textwrap.dedent(inspect.getsource(function))
+        return _hosts.own_source(function)  # (not a functools.wraps wrapper's wrapped function)
     except (OSError, TypeError):
         return None
 
@@ -485,15 +484,15 @@ def _rotary_function(rotary):
     if not isinstance(rotary, nn.Module):
         return rotary
     forward = rotary.__dict__.get("forward")
-    if forward is not None:
-        layer = _layers.liger_rotary_pos_emb_layer.forward
-        bound = type(forward) is types.MethodType and forward.__self__ is rotary and forward.__func__ is layer
-        return liger_rotary_pos_emb if bound else None
-    code = getattr(type(rotary).forward, "__code__", None)
-    if type(rotary).__name__ != "Func" or code is None or not code.co_filename.endswith("kernels/layer/layer.py"):
-        return None
-    wrapped = [c.cell_contents for c in type(rotary).forward.__closure__ or ()]
-    return wrapped[0] if len(wrapped) == 1 and isinstance(wrapped[0], types.FunctionType) else None
+    if forward is not None:  # set by kernelize: the package's layer, or the module's own (no kernel mapped for it)
+        bound = type(forward) is types.MethodType and forward.__self__ is rotary
+        if bound and forward.__func__ is _layers.liger_rotary_pos_emb_layer.forward:
+            # the layer computes the function's own form; Llama's is the package's rotary
+            dtype, sign, refusal = _hosts.rotary_host(type(rotary))
+            return liger_rotary_pos_emb if (dtype, sign, refusal) == (_hosts.ROTARY_PROMOTED, 1.0, "") else None
+        if not (bound and forward.__func__ is type(rotary).forward):
+            return None
+    return _hosts.kernels_function(type(rotary))
 
 
 def _bound_to(module, functions) -> bool:

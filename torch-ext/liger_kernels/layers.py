@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _hosts
 from . import loss as _loss
 from . import rms_norm as _rms_norm
 from ._hosts import declare_rms_norm_host, rms_norm_host  # noqa: F401  (declare: public, here as published)
@@ -121,13 +122,29 @@ class LigerLinear(nn.Module):
 
 
 class liger_rotary_pos_emb_layer(nn.Module):
-    """:func:`liger_rotary_pos_emb` as a kernelize layer for transformers' "rotary_pos_emb"."""
+    """:func:`liger_rotary_pos_emb` as a kernelize layer for transformers' "rotary_pos_emb": the function it is
+    bound to is read first (``_hosts.rotary_host``). Llama's form and gpt-oss's give the promoted dtype, OLMo's,
+    ESM's, ModernBERT's and HunYuan-VL's cast the result back as theirs do, NanoChat's rotates by -sin; any other
+    (interleaved pairs) is refused with a ValueError. Called on its own (not bound), it is Llama's."""
 
     can_torch_compile = True
     has_backward = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
+        return rotary_layer(self, q, k, cos, sin, unsqueeze_dim)
+
+
+def rotary_layer(module, q, k, cos, sin, unsqueeze_dim=1):
+    """The rotary function ``module`` (kernels' module of a tagged function) computes, by its form."""
+    if type(module) is liger_rotary_pos_emb_layer:
         return liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+    dtype, sign, refusal = _hosts.rotary_host(type(module))
+    if refusal:
+        raise ValueError(refusal)
+    q_embed, k_embed = liger_rotary_pos_emb(q, k, cos, sin if sign > 0 else -sin, unsqueeze_dim)
+    if dtype == _hosts.ROTARY_PROMOTED:
+        return q_embed, k_embed
+    return q_embed.to(q.dtype), k_embed.to(k.dtype if dtype == _hosts.ROTARY_Q_K_DTYPES else q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ def LigerForCausalLMLoss(
     options = {k: kwargs[k] for k in (_FUSED_OPTIONS if fused else _LOGITS_OPTIONS) if kwargs.get(k) is not None}
     if fused:
         hidden_size = kwargs.get("hidden_size") or lm_head_weight.shape[-1]
+        _check_positions(hidden_states, "hidden_states", hidden_size, "the head's hidden size", shift_labels)
         hidden = hidden_states.reshape(-1, hidden_size)
         target = shift_labels.reshape(-1).to(hidden.device)
         result = liger_fused_linear_cross_entropy(
@@ -81,6 +82,7 @@ def LigerForCausalLMLoss(
     else:
         if logits is None:
             raise ValueError("LigerForCausalLMLoss: pass `logits`, or `hidden_states` and `lm_head_weight`")
+        _check_positions(logits, "logits", vocab_size, "`vocab_size`", shift_labels)
         rows = logits.reshape(-1, vocab_size)
         target = shift_labels.reshape(-1).to(rows.device)
         result = cross_entropy(rows, target, ignore_index=ignore_index, reduction=reduction, **options)
@@ -92,6 +94,22 @@ def LigerForCausalLMLoss(
     if isinstance(result, CrossEntropyOutput):
         return CrossEntropyOutput(loss, None, result.token_accuracy, result.predicted_tokens)
     return loss
+
+
+def _check_positions(tensor, arg: str, width, what: str, labels) -> None:
+    """``tensor`` [..., width] with one position per label: a clear error before the reshape to rows (which would
+    raise its own, or make a row count that the loss then blames on its target)."""
+    try:
+        if tensor.shape[-1] == width and tensor.numel() == width * labels.numel():
+            return
+    except (AttributeError, IndexError, TypeError):
+        return  # not tensors, or 0-d: the loss's own checks name the argument
+    if tensor.shape[-1] != width:
+        raise ValueError(f"LigerForCausalLMLoss: `{arg}` must end in {what}, {width}, got shape {tuple(tensor.shape)}")
+    raise ValueError(
+        f"LigerForCausalLMLoss: `{arg}` must hold one position per label, got shape {tuple(tensor.shape)} for labels "
+        f"of shape {tuple(labels.shape)}"
+    )
 
 
 def _served(model: nn.Module) -> nn.Module:

@@ -415,6 +415,8 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def _forward_triton(x, weight, eps, offset, llama, store_rstd):
     rows = _as_rows(x)
+    if weight.stride(0) != 1:  # the kernels read it element after element: a strided or expanded view is copied
+        weight = weight.contiguous()
     n_rows, n_cols = rows.shape
     one_block, block_cols, block_rows, warps, _, _, _ = _config(n_cols)
     y = _backend.new_tensor(x.shape, dtype=_out_dtype(x, weight, llama), device=x.device)
@@ -445,6 +447,8 @@ def _forward_triton(x, weight, eps, offset, llama, store_rstd):
 
 def _backward_triton(d_y, x, weight, rstd, offset, llama, needs_x, needs_w):
     rows, d_y_rows = _as_rows(x), _as_rows(d_y)
+    if weight.stride(0) != 1:  # (as in forward)
+        weight = weight.contiguous()
     n_rows, n_cols = rows.shape
     one_block, block_cols, _, _, block_rows, warps, _ = _config(n_cols)
     programs, blocks_per_program = _backward_grid(n_rows, n_cols, x.device)

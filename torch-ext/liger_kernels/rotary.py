@@ -17,9 +17,9 @@ Differences from transformers, on purpose:
 * Math runs in fp32 (fp64 when an input is fp64) with one rounding to the result dtype. transformers computes
   in the input dtype: in bf16 that is three roundings (two products and the sum), so its error is larger.
   In fp32 and fp64 the two agree bit for bit on the PyTorch path.
-* The result dtype is ``torch.promote_types(q.dtype, cos.dtype)``, as transformers' type promotion gives
-  (bf16 queries with fp32 cos/sin under autocast come out fp32); ``q``/``k`` must share a dtype, and so must
-  ``cos``/``sin``.
+* The result dtype is ``torch.promote_types(q.dtype, cos.dtype)``, as type promotion gives in Llama's form
+  (bf16 queries with fp32 cos/sin under autocast come out fp32; the kernelize layer casts back for the tagged
+  functions that do, such as OLMo's); ``q``/``k`` must share a dtype, and so must ``cos``/``sin``.
 * Backward saves only ``cos`` and ``sin`` (the map is linear in q and k) and applies the transposed map,
   which for the usual duplicated halves is the rotation by -sin.
 
