@@ -223,6 +223,18 @@ def own_source(function) -> str:
     return textwrap.dedent(inspect.getsource(code))
 
 
+def _wrapper(forward) -> str:
+    """What wraps a forward that has ``__wrapped__``: its decorator as the source names it, else a wrapper
+    assigned in the class body."""
+    try:
+        decorators = ast.parse(textwrap.dedent(inspect.getsource(forward))).body[0].decorator_list
+    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+        decorators = ()
+    if decorators:
+        return f"the decorator `@{ast.unparse(decorators[0])}`"
+    return "a wrapper of another function (functools.wraps) assigned in the class body"
+
+
 def gated_form(cls) -> HostForm:
     """How the gated-MLP host class ``cls`` computes, read once per class and forward."""
     forward = cls.forward
@@ -233,6 +245,8 @@ def gated_form(cls) -> HostForm:
         known = HostForm(None, None)
     else:
         try:
+            if hasattr(forward, "__wrapped__"):
+                raise _Unknown(_wrapper(forward))
             tree = ast.parse(own_source(forward))
             function = tree.body[0]
             if not isinstance(function, ast.FunctionDef):
@@ -465,10 +479,7 @@ def _classify_rms_norm_host(cls) -> tuple:
         )
 
     if hasattr(cls.forward, "__wrapped__"):
-        return refused(
-            "has a wrapped forward (a decorator, or a functools.wraps wrapper assigned in the class body), whose "
-            "additions the layer would not reproduce"
-        )
+        return refused(f"has a wrapped forward ({_wrapper(cls.forward)}), whose additions it would not reproduce")
     try:
         source = own_source(cls.forward)
     except (OSError, TypeError) as error:
