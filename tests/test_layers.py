@@ -714,10 +714,30 @@ def _instance_forward(act_fn):
     return act_fn
 
 
+def _forward_method(act_fn):
+    """A patch in the usual style: a def named `forward` bound to the module (as kernelize binds a layer's)."""
+
+    def forward(self, z):
+        return 2 * torch.nn.functional.silu(z)
+
+    act_fn.forward = types.MethodType(forward, act_fn)
+    return act_fn
+
+
+def _replaced_act():
+    from transformers.activations import GELUTanh
+
+    act_fn = GELUTanh()
+    act_fn.act = torch.nn.functional.silu  # what GELUTanh.forward calls
+    return act_fn
+
+
 NOT_THE_ACTIVATION = {  # an act_fn the layer must not take for the activation its class name says, what it says
     "same name": (SiLU, "act_fn test_layers.SiLU, not torch's or transformers' own SiLU"),
     "instance forward": (lambda: _instance_forward(torch.nn.SiLU()), "SiLU with a forward set on the instance"),
     "gelu instance forward": (lambda: _instance_forward(torch.nn.GELU()), "GELU with a forward set on the instance"),
+    "forward method": (lambda: _forward_method(llama_mlp().act_fn), "SiLUActivation with a forward set on the"),
+    "gelu act replaced": (_replaced_act, "GELUTanh with its `act` or constant replaced on the instance"),
 }
 
 

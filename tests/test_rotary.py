@@ -839,3 +839,16 @@ def test_the_layer_computes_the_form_of_the_function_it_is_bound_to(lk, model, b
         assert rel_err(g, w) < 1e-6
     low = [t.detach().bfloat16() for t in (q, k)]  # bf16 queries with fp32 cos/sin (autocast over an fp32 model)
     assert [t.dtype for t in layer(*low, cos, sin, dim)] == [t.dtype for t in host(*low, cos, sin, dim)]
+
+
+def test_a_module_class_tagged_rotary_is_refused_by_name(lk):
+    """A module class of the user's own tagged "rotary_pos_emb" (not kernels' module of a function): the layer
+    cannot read what it computes and says so, naming itself and the class."""
+
+    class ApplyRotary(torch.nn.Module):
+        def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+            return transformers_rope(q, k, cos, sin, unsqueeze_dim)
+
+    q, k, cos, sin, dim, _ = make_case("bshd_transposed", torch.float32)
+    with pytest.raises(ValueError, match="liger_rotary_pos_emb_layer .* its class .*ApplyRotary is no function"):
+        lk.liger_rotary_pos_emb_layer.forward(ApplyRotary(), q, k, cos, sin, dim)

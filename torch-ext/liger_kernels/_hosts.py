@@ -17,7 +17,9 @@ same method: a syntax-tree reading of the host's forward, once per class.
 """
 
 import ast
+import functools
 import inspect
+import math
 import os
 import sys
 import textwrap
@@ -73,6 +75,9 @@ def activation_of(act_fn, attribute: str) -> str:
             _ACTIVATION_CLASSES.clear()
         known = _ACTIVATION_CLASSES[id(cls)] = (cls, forward, _library_activation(cls, forward))
     if known[2] is not None:
+        state = act_fn.__dict__
+        if ("act" in state or "precomputed_constant" in state) and not _class_state(act_fn, known[2]):
+            return f"{attribute} {cls.__name__} with its `act` or constant replaced on the instance"
         return known[2]
     if cls.__name__ in _BY_CLASS:  # a name the registry lists, on another class (or the class's forward patched)
         return f"{attribute} {cls.__module__}.{cls.__qualname__}, not torch's or transformers' own {cls.__name__}"
@@ -89,9 +94,52 @@ def _kernelized(act_fn, cls) -> bool:
     if not (isinstance(forward, types.MethodType) and forward.__self__ is act_fn):
         return False
     function = forward.__func__
-    return function is getattr(cls, "forward", None) or (
-        getattr(cls, "kernel_layer_name", None) is not None and getattr(function, "__name__", None) == "forward"
+    if function is getattr(cls, "forward", None):
+        return True
+    # a layer class's forward (kernelize binds `layer.forward`), not a function of its own bound as one
+    qualname = getattr(function, "__qualname__", "")
+    owner, _, name = qualname.rpartition(".")
+    layer = getattr(sys.modules.get(getattr(function, "__module__", None)), owner, None) if owner else None
+    return (
+        getattr(cls, "kernel_layer_name", None) is not None
+        and name == "forward"
+        and isinstance(layer, type)
+        and issubclass(layer, nn.Module)
+        and layer.__dict__.get("forward") is function
     )
+
+
+# The instance state transformers' activation classes read in forward (asked in activation_of): GELUTanh's and
+# GELUActivation's `act` (PyTorch's op, or the class's own Python form, as __init__ chooses), AccurateGELUActivation's
+# `precomputed_constant`.
+_GELU_TANH = functools.partial(torch.nn.functional.gelu, approximate="tanh")
+
+
+def _class_state(act_fn, name: str) -> bool:
+    """Whether the state ``act_fn``'s forward reads is what its class's ``__init__`` sets for activation ``name``."""
+    state = act_fn.__dict__
+    if "precomputed_constant" in state and state["precomputed_constant"] != math.sqrt(2 / math.pi):
+        return False
+    act = state.get("act", _MISSING_STATE)
+    if act is _MISSING_STATE:
+        return True
+    if isinstance(act, types.MethodType):  # the class's own Python form (use_gelu_python and kin)
+        function = act.__func__
+        own = type(act_fn).__dict__.get(getattr(function, "__name__", None))
+        return (
+            act.__self__ is act_fn and own is function and _torchs_own(function, sys.modules[type(act_fn).__module__])
+        )
+    if name == "gelu_tanh":
+        return (
+            isinstance(act, functools.partial)
+            and act.func is _GELU_TANH.func
+            and act.args == _GELU_TANH.args
+            and act.keywords == _GELU_TANH.keywords
+        )
+    return act is {"gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}.get(name, _MISSING_STATE)
+
+
+_MISSING_STATE = object()
 
 
 # id(activation class) -> (the class, its forward, its registry name or None), as _GATED_FORMS.
@@ -690,7 +738,8 @@ def rotary_host(cls) -> tuple:
     function = kernels_function(cls)
     helper_name = helper = None
     if function is None:
-        result = (None, 1.0, "it is not a function transformers tags (kernels' module of one)")
+        why = f"its class {cls.__qualname__} is no function transformers tags (kernels' module of one)"
+        result = (None, 1.0, _rotary_refusal(None, why))
     else:
         try:
             form = _KNOWN_ROTARY.get(_dump(own_source(function)))
@@ -720,7 +769,9 @@ rotary_host._dynamo_marked_constant = True
 
 
 def _rotary_refusal(function, why: str) -> str:
-    name = f"{function.__module__}.{function.__qualname__}" if function is not None else "this host"
+    name = (
+        f"{getattr(function, '__module__', None) or '<no module>'}.{function.__qualname__}" if function else "the host"
+    )
     return (
         f"liger_rotary_pos_emb_layer reproduces transformers' apply_rotary_pos_emb (x * cos + rotate_half(x) * sin, "
         f"and the forms that cast it back to q's dtype), but {name} cannot be served: {why}; leave "
