@@ -816,3 +816,27 @@ def test_a_wrapped_host_forward_is_not_read_as_the_one_it_wraps(lk):
         ValueError, match="WrappedMLP cannot be served: its forward holds a wrapper of another function"
     ):
         bind(lk.LigerSwiGLUMLP, host)(torch.randn(2, HIDDEN))
+
+
+def test_a_host_class_first_met_under_compile_traces_without_a_graph_break(lk):
+    """The host reader runs while dynamo traces (its result a constant of the trace, as the RMSNorm reader's): a
+    Llama compiled before any eager call of its MLP class broke the graph at the reader's source parsing, once per
+    MLP call (7 graphs for 2 layers in inference instead of 1)."""
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = LlamaForCausalLM(config).eval()
+    cold = type("ColdMLP", (LlamaMLP,), {})  # a class the reader has not met
+    for layer in model.model.layers:
+        layer.mlp.__class__ = cold
+        bind(lk.LigerSwiGLUMLP, layer.mlp)
+    ids = torch.randint(0, 97, (2, 9))
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            explained = torch._dynamo.explain(lambda ids: model(input_ids=ids).logits)(ids)
+    finally:
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]

@@ -314,6 +314,13 @@ def gated_form(cls) -> HostForm:
     return known
 
 
+# Under torch.compile it runs while tracing and its result is a constant of the trace (as rms_norm_host's): the
+# source reading cannot be traced, and a model compiled before any eager call broke its graph here once per call of
+# an MLP class. (Where dynamo compiles it as a frame of its own, after a graph break in its caller, the id() key and
+# the forward above are what its guards check.)
+gated_form._dynamo_marked_constant = True
+
+
 def global_hooks() -> bool:
     """Whether a global module hook is registered (``nn.modules.module.register_module_forward_hook`` and its
     kin): it fires on every module call."""
