@@ -531,3 +531,41 @@ def test_a_decorated_or_ambiguous_host_forward_is_refused(lk):
     two = TwoActivations(config).double()
     x = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
     assert_same([bind(lk.LigerGEGLUMLP, copy.deepcopy(two))(x)], [two(x)])
+
+
+@pytest.mark.parametrize("layer", ["LigerTiledSwiGLUMLP", "LigerLinear", "apply_tiled_mlp"])
+def test_a_gradient_hook_on_a_parameter_runs_once(lk, layer, monkeypatch):
+    """A hook on a weight's gradient (``p.register_hook``; here one that scales it by 3): the generic recompute's
+    per-shard autograd.grad ran it once per shard and again on the sum (3 shards: 4 calls, the gradient 3x the
+    plain module's), so those calls run untiled; the gated layers write the gradients themselves, run it once,
+    and still tile."""
+    x, d_out = inputs()
+    torch.manual_seed(0)
+    if layer == "LigerTiledSwiGLUMLP":
+        host = llama_mlp()
+    elif layer == "LigerLinear":
+        host = nn.Linear(HIDDEN, INTERMEDIATE).double()
+        d_out = torch.randn(2, SEQ, INTERMEDIATE, dtype=torch.float64)
+    else:
+        host = nn.Sequential(nn.Linear(HIDDEN, INTERMEDIATE), nn.GELU(), nn.Linear(INTERMEDIATE, HIDDEN)).double()
+    tiled, plain = copy.deepcopy(host), copy.deepcopy(host)
+    counts = []
+    for module in (tiled, plain):
+        count = []
+        weight = next(p for name, p in module.named_parameters() if name.endswith("weight"))
+        weight.register_hook(lambda g, count=count: count.append(1) or g * 3)
+        counts.append(count)
+    if layer == "apply_tiled_mlp":
+        call = lambda x: lk.apply_tiled_mlp(lambda m, s: m(s), tiled, x, num_shards=3)  # noqa: E731
+    else:
+        call = bind(getattr(lk, layer), tiled)
+        tiled.num_shards = 3
+    calls = []
+    inner = lk.LigerTiledMLPFunction.apply
+    monkeypatch.setattr(lk.LigerTiledMLPFunction, "apply", lambda *a: calls.append(1) or inner(*a))
+    x_ = x.detach().requires_grad_()
+    got = torch.autograd.grad(call(x_), [x_, *tiled.parameters()], d_out)
+    want = grads_of(plain, x, d_out)[1:]
+    assert len(counts[0]) == len(counts[1]) == 1
+    assert_same(list(got), want)
+    assert len(calls) == (1 if layer == "LigerTiledSwiGLUMLP" else 0)

@@ -364,6 +364,15 @@ def untiled_reason(mlp_module, x: torch.Tensor, params, found: Structure | None 
     return None
 
 
+def hooked(params) -> bool:
+    """Whether a gradient hook is registered on one of ``params`` (``p.register_hook``). Hooks on the gradient's
+    accumulation (DDP's, DeepSpeed's, FSDP2's, ``register_post_accumulate_grad_hook``) are not these."""
+    for p in params:  # (a loop, not any() over a generator: asked on each call that may tile)
+        if p._backward_hooks:
+            return True
+    return False
+
+
 def tiling_pays(
     tokens: int,
     hidden: int,

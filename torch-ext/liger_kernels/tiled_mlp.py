@@ -119,6 +119,11 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile, asked=False
         return fn(mlp_module, x)
     if _tiling.untiled_reason(mlp_module, x, params, found) is not None:
         return fn(mlp_module, x)
+    if _tiling.hooked(params) and gated_plan(fn, mlp_module, x, params) is None:
+        # The generic recompute's per-shard autograd.grad runs a parameter's gradient hooks too: once per shard,
+        # then again on the summed gradient (a hook that scales it applied twice). The gated path writes the
+        # gradients itself, and they run once.
+        return fn(mlp_module, x)
     layout = _layout(fn, mlp_module, x, params, found)
     num_shards = _tiling.num_shards_for(requested, x, layout.agree, intermediate)
     shards = _tiling.unsplit(num_shards)
