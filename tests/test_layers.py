@@ -840,3 +840,22 @@ def test_a_host_class_first_met_under_compile_traces_without_a_graph_break(lk):
     finally:
         torch._dynamo.reset()
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+
+
+def test_a_compiled_layer_reads_a_host_forward_replaced_after_compiling(lk):
+    """Compiled, the host reader's answer is a constant of the trace, which guards the class's forward: one given
+    another forward after compiling (here one that doubles the output) is read again and refused."""
+    host_class = type("Host", (LlamaMLP,), {})
+    stock = host_class.forward
+    host = bind(lk.LigerSwiGLUMLP, host_class(LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE)))
+    x = torch.randn(2, 5, HIDDEN)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(host, backend="eager")
+        with torch.no_grad():
+            assert rel_err(compiled(x), stock(host, x)) < 1e-6
+            host_class.forward = lambda self, hidden: 2 * stock(self, hidden)
+            with pytest.raises(ValueError, match="Host cannot be served"):
+                compiled(x)
+    finally:
+        torch._dynamo.reset()

@@ -289,36 +289,40 @@ def gated_form(cls) -> HostForm:
     known = _GATED_FORMS.get(id(cls))
     if known is not None and known[0] is cls and known[1] is forward:
         return known[2]
-    if forward is nn.Module.forward:  # no forward of its own: nothing to reproduce but the projections
-        known = HostForm(None, None)
-    else:
-        try:
-            if hasattr(forward, "__wrapped__"):
-                raise _Unknown(_wrapper(forward))
-            tree = ast.parse(own_source(forward))
-            function = tree.body[0]
-            if not isinstance(function, ast.FunctionDef):
-                raise _Unknown("a forward that is not a plain def")
-            if function.decorator_list:  # a decorator may change what the call computes (or its grad mode)
-                raise _Unknown(f"the decorator `@{ast.unparse(function.decorator_list[0])}`")
-            form, act = _match_gated(_return_term(function))
-            problem = None if form else "its forward returns something other than that"
-        except _Unknown as error:
-            form, problem = None, f"its forward holds {error}, which the layer would not reproduce"
-        except (OSError, TypeError, SyntaxError, ValueError) as error:  # no source to read, or an odd one
-            form, problem = None, f"its forward could not be read ({type(error).__name__}: {error})"
-        known = HostForm(form, problem, act if form else None)
+    if torch.compiler.is_compiling():
+        # Read while dynamo traces, as a constant of the trace (the source reading cannot be traced: a model compiled
+        # before any eager call broke its graph here once per MLP call), and not cached: the trace guards the map
+        # as it found it (an entry written now would fail that guard), and the class and forward read above.
+        return _read_gated_form(forward)
+    known = _read_gated_form(forward)
     if len(_GATED_FORMS) >= MAX_FORMS:
         _GATED_FORMS.clear()
     _GATED_FORMS[id(cls)] = (cls, forward, known)
     return known
 
 
-# Under torch.compile it runs while tracing and its result is a constant of the trace (as rms_norm_host's): the
-# source reading cannot be traced, and a model compiled before any eager call broke its graph here once per call of
-# an MLP class. (Where dynamo compiles it as a frame of its own, after a graph break in its caller, the id() key and
-# the forward above are what its guards check.)
-gated_form._dynamo_marked_constant = True
+def _read_gated_form(forward) -> HostForm:
+    if forward is nn.Module.forward:  # no forward of its own: nothing to reproduce but the projections
+        return HostForm(None, None)
+    try:
+        if hasattr(forward, "__wrapped__"):
+            raise _Unknown(_wrapper(forward))
+        tree = ast.parse(own_source(forward))
+        function = tree.body[0]
+        if not isinstance(function, ast.FunctionDef):
+            raise _Unknown("a forward that is not a plain def")
+        if function.decorator_list:  # a decorator may change what the call computes (or its grad mode)
+            raise _Unknown(f"the decorator `@{ast.unparse(function.decorator_list[0])}`")
+        form, act = _match_gated(_return_term(function))
+        problem = None if form else "its forward returns something other than that"
+    except _Unknown as error:
+        form, problem = None, f"its forward holds {error}, which the layer would not reproduce"
+    except (OSError, TypeError, SyntaxError, ValueError) as error:  # no source to read, or an odd one
+        form, problem = None, f"its forward could not be read ({type(error).__name__}: {error})"
+    return HostForm(form, problem, act if form else None)
+
+
+_read_gated_form._dynamo_marked_constant = True
 
 
 def global_hooks() -> bool:
