@@ -4,6 +4,7 @@ the cuDNN pieces in bf16 against float64."""
 
 import copy
 import types
+import warnings
 
 import pytest
 import torch
@@ -368,3 +369,24 @@ def test_layers_are_tiled_after_kernelize_binds_the_rotary_module(lk, rotary):
     assert abs(loss - ref_loss) / ref_loss < 1e-14
     for got, want in zip(grads, ref_grads, strict=True):
         assert rel_err(got, want) < 1e-12
+
+
+def test_a_training_call_with_a_cache_says_once_that_it_runs_untiled(lk, monkeypatch):
+    """transformers' models build a KV cache for every call unless use_cache=False: a plain training call then runs
+    the layers untiled (the tiled path fills no cache), which once went unsaid, the memory saving silently lost."""
+    model = tiny()
+    lk.tile_decoder_layers(model, chunk=16, min_tokens=0)
+    monkeypatch.setattr(lk.decoder_layer, "_CACHE_WARNED", [])
+    ids = ids_for(2, 40)
+    with pytest.warns(UserWarning, match="came with a KV cache.*use_cache=False"):
+        model(input_ids=ids)
+    seen = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: seen.append(type(out.grad_fn).__name__))
+             for layer in model.model.layers]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    assert seen.count("TiledDecoderLayerBackward") == 0
+    assert tiled_nodes(model, ids) == 2  # (use_cache=False)

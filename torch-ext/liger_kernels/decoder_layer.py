@@ -36,6 +36,7 @@ import functools
 import sys
 import textwrap
 import types
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -557,6 +558,23 @@ def _operands(layer):
 _IGNORED = {"position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states"}
 
 
+_CACHE_WARNED = []
+
+
+def _say_a_cache_keeps_it_untiled(hidden_states) -> None:
+    """Once per process: a training call long enough to tile came with a KV cache, which transformers' models build
+    for every call unless ``use_cache=False`` is passed (or the model's config says so); the tiled path does not
+    fill one, so the layers run their own forward, at full length, and the memory the tiling saves is not saved."""
+    if not _CACHE_WARNED:
+        _CACHE_WARNED.append(True)
+        warnings.warn(
+            f"tile_decoder_layers: a training call of {hidden_states.shape[0] * hidden_states.shape[1]} tokens came "
+            "with a KV cache, which the tiled layers do not fill, so the layers ran untiled: pass use_cache=False to "
+            "the model (causal_lm_loss does), or set model.config.use_cache = False",
+            stacklevel=3,
+        )
+
+
 def _tiled_call(layer, hidden_states, attention_mask, past_key_values, position_embeddings, kwargs):
     """(spec, params, cos, sin) where this call is one the tiled path serves, else None."""
     if (
@@ -566,11 +584,13 @@ def _tiled_call(layer, hidden_states, attention_mask, past_key_values, position_
         or hidden_states.shape[1] < 2
         or hidden_states.shape[0] * hidden_states.shape[1] < layer.__dict__.get("_tiled_min_tokens", 0)
         or attention_mask is not None
-        or past_key_values is not None
         or position_embeddings is None
         or kwargs.get("output_attentions")
         or any(v is not None for k, v in kwargs.items() if k not in _IGNORED)
     ):
+        return None
+    if past_key_values is not None:
+        _say_a_cache_keeps_it_untiled(hidden_states)
         return None
     if torch.compiler.is_compiling() or _backend.exporting() or _backend.forward_ad_active():
         return None
