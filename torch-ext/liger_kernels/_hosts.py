@@ -494,8 +494,9 @@ class _CanonicalNames(ast.NodeTransformer):
         return node
 
 
-def _normalized(source: str):
-    """(normalized dump of the function in ``source``, epsilon attributes it reads), or None."""
+def _normalized(source: str, decorators: bool = True):
+    """(normalized dump of the function in ``source``, epsilon attributes it reads), or None. ``decorators``: whether
+    the dump holds the function's decorators."""
     try:
         function = ast.parse(textwrap.dedent(source)).body[0]
     except (SyntaxError, IndexError):
@@ -506,6 +507,8 @@ def _normalized(source: str):
     if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0].value, "value", None), str):
         body = body[1:]  # the docstring
     function.name, function.returns, function.type_comment, function.body = "forward", None, None, body
+    if not decorators:
+        function.decorator_list = []
     arguments = function.args
     local_names = {a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)}
     local_names |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
@@ -698,19 +701,8 @@ def f(q, k, cos, sin, unsqueeze_dim=1):
 
 def _dump(source: str):
     """``_normalized``'s dump of a function's source, its decorators left out (None where it is not one)."""
-    normalized = _normalized(_without_decorators(source))
+    normalized = _normalized(source, decorators=False)
     return normalized[0] if normalized is not None else None
-
-
-def _without_decorators(source: str) -> str:
-    try:
-        function = ast.parse(textwrap.dedent(source)).body[0]
-    except (SyntaxError, IndexError):
-        return source
-    if isinstance(function, ast.FunctionDef):
-        function.decorator_list = []
-        return ast.unparse(function)
-    return source
 
 
 # function dump -> (helper name, {helper dump: sin's sign}, the result's dtype)
