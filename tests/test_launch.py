@@ -174,7 +174,8 @@ def _every_op(lk, n_cols: int, offset: int, device: str = "cuda"):
     results.append((lk.rms_norm(x, weight, 1e-6), (x, weight)))
     q, k, cos, sin = tensor(1, 4, 8, 64), tensor(1, 2, 8, 64), tensor(1, 8, 64), tensor(1, 8, 64)
     results.append((torch.cat([t.flatten() for t in lk.liger_rotary_pos_emb(q, k, cos, sin)]), (q, k)))
-    logits, target = tensor(8, n_cols), torch.randint(0, n_cols, (8,), device=device)
+    # the target offset too: one offset by an element is 8 bytes off, as a slice of labels shifted by one
+    logits, target = tensor(8, n_cols), torch.randint(0, n_cols, (offset + 8,), device=device)[offset:]
     results.append((lk.cross_entropy.cross_entropy(logits, target), (logits,)))
     return results
 
@@ -198,9 +199,10 @@ def test_after_warm_up_no_launch_goes_through_triton_s_own_path(lk, monkeypatch)
 
 
 @pytest.mark.gpu
-def test_after_warm_up_prepared_launches_of_one_dtype_run_their_bound_kernel(lk, monkeypatch):
+@pytest.mark.parametrize("offset", [0, 1])
+def test_after_warm_up_prepared_launches_of_one_dtype_run_their_bound_kernel(lk, monkeypatch, offset):
     """Every prepared launch (the gated ops', rotary's, the losses') finds its compiled kernel through its plan's
-    binding, without the keyed path."""
+    binding, without the keyed path, for aligned data and for data that is not (offset 1)."""
     keyed, keyed_launch = [], lk._launch._launch
 
     def recorded(kernel, *args):
@@ -208,10 +210,10 @@ def test_after_warm_up_prepared_launches_of_one_dtype_run_their_bound_kernel(lk,
         return keyed_launch(kernel, *args)
 
     with backend("auto"):
-        _run_all(lk, 4096, 0)
-        _run_all(lk, 4096, 0)
+        _run_all(lk, 4096, offset)
+        _run_all(lk, 4096, offset)
         monkeypatch.setattr(lk._launch, "_launch", recorded)
-        _run_all(lk, 4096, 0)
+        _run_all(lk, 4096, offset)
     prepared = {"_gated_forward_kernel", "_gated_backward_kernel", "_rotary_kernel", "_ce_rows_kernel", "_sums_kernel"}
     assert keyed and not prepared & set(keyed), keyed
 
@@ -358,15 +360,16 @@ class _Shifted(torch.Tensor):
 
 
 def test_a_prepared_key_determines_tritons_specialization(lk):
-    """A prepared launch's key (aligned tensors as a marker and their dtypes, anything else argument by
-    argument) maps to one specialization of the arguments it keys, whatever the split between tensors and
-    trailing arguments; both forms are reached."""
+    """A prepared launch's key (the tensors' alignment, as a marker where all are aligned, and their dtypes; where
+    a tensor is of a subclass or a trailing argument not a plain class, each argument apart) maps to one
+    specialization of the arguments it keys, whatever the split between tensors and trailing arguments; every
+    form is reached."""
     tensors = [v for v in _values() if isinstance(v, torch.Tensor)]
     tensors += [torch.Tensor._make_subclass(_Shifted, t) for t in tensors[:12]]
     tensors += [torch.nn.Parameter(t, requires_grad=False) for t in tensors[:12]]
     scalars = [v for v in _values() if not isinstance(v, torch.Tensor)]
     plain = [v for v in scalars if type(v) is not int]  # drawn as often as the ints: the gated ops' multipliers
-    token, seen, aligned_form = object(), {}, 0
+    token, seen, aligned_form, unaligned_form = object(), {}, 0, 0
     rng = random.Random(0)
     for _ in range(4000):
         group = tuple(
@@ -377,10 +380,11 @@ def test_a_prepared_key_determines_tritons_specialization(lk):
             for _ in range(rng.randint(0, 2))
         )
         key = lk._launch._prepared_key(token, group, trailing)
-        aligned_form += lk._launch._ALIGNED in key
+        aligned_form += key[1] is lk._launch._ALIGNED
+        unaligned_form += type(key[1]) is tuple
         spec = (len(group), tuple(_triton_spec(v) for v in (*group, *trailing)))
         assert seen.setdefault(key, spec) == spec, f"{group}, {trailing}: key also covers {seen[key]}, not {spec}"
-    assert 100 < aligned_form < 3900
+    assert 100 < aligned_form and 100 < unaligned_form and aligned_form + unaligned_form < 3900
 
 
 class _FakeKernel:
@@ -415,7 +419,8 @@ def test_a_bound_plan_launches_its_kernel_exactly_where_the_key_would_find_it(lk
     """A plan bound to the compiled kernel of one launch launches it again, without building the key, for exactly
     the arguments whose key equals that launch's (so Triton would choose the same kernel): random tensors of
     three dtypes, aligned or not, plain, ``nn.Parameter`` or a subclass, and trailing floats, bools, None, ints
-    and tensors, against bindings of one dtype and of several. Every other launch takes the keyed path."""
+    and tensors, against bindings of one dtype and of several, of aligned tensors and of tensors some of which
+    are not aligned. Every other launch takes the keyed path."""
     pool = []
     for dtype in (torch.bfloat16, torch.float32, torch.int64):
         storage = torch.empty(512, dtype=dtype)
@@ -427,7 +432,9 @@ def test_a_bound_plan_launches_its_kernel_exactly_where_the_key_would_find_it(lk
     taken = 0
     bindings = [((pool[0],) * 3, (1.0, 2.0)), ((pool[0], pool[1]), ()), ((pool[3],), (0.5,))]
     bindings.append(((pool[0], pool[6], pool[3]), (1.0,)))  # bf16, int64, fp32
-    for (bound_tensors, bound_trailing), grid in zip(bindings, [(5, 2), (5,), (5, 2, 3), (5,)]):
+    # not every tensor aligned: a bf16 one 2 bytes off, an int64 one 8 bytes off (a target sliced from labels)
+    bindings += [((pool[0], pool[8], pool[3]), (1.0,)), ((pool[2], pool[2]), ())]
+    for (bound_tensors, bound_trailing), grid in zip(bindings, [(5, 2), (5,), (5, 2, 3), (5,), (5,), (3,)]):
         plan, bound_key, head, ran = _bound_plan(lk, kernel, bound_tensors, bound_trailing, grid=grid)
         grid = (*grid, 1, 1)[:3]  # as Triton launches it
         assert plan.bound is not None

@@ -5,6 +5,7 @@ form of forward it serves, from Cohere's logit scale to Mamba's cast, and the mo
 
 import copy
 import functools
+import sys
 import types
 
 import kernels
@@ -65,6 +66,38 @@ def test_logits_path_equals_transformers(lk, case, backend_name):
     (d_want,) = torch.autograd.grad(want, logits)
     assert got.dtype == torch.float32 and rel_err(got, want) <= FP32_BOUND
     assert rel_err(d_got, d_want) <= FP32_BOUND
+
+
+@pytest.mark.parametrize("shape", [(1, 9), (3, 1), (2, 0), (9,), (2, 2, 5)])
+def test_labels_are_shifted_as_transformers_shifts_them(lk, shape, backend_name):
+    """Each position's next label, the last ignored, for one and several sequences, sequences of one position and of
+    none, and 1-D and 3-D labels: the loss and its gradient against transformers' own shift (pad, then slice)."""
+    labels = torch.randint(0, V, shape, generator=torch.Generator().manual_seed(1))
+    if labels.numel():
+        labels.view(-1)[0] = -100
+    logits = torch.randn(*shape, V, requires_grad=True)
+    got = lk.LigerForCausalLMLoss(logits, labels, V, num_items_in_batch=3)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    want = _causal_loss64(logits.double(), None, num_items_in_batch=3, shift_labels=shifted)
+    (d_got,) = torch.autograd.grad(got, logits)
+    (d_want,) = torch.autograd.grad(want, logits)
+    for out, ref in ((got, want), (d_got, d_want)):
+        # (every label ignored, or none at all: a loss and a gradient of exact zeros)
+        assert rel_err(out, ref) <= FP32_BOUND if ref.count_nonzero() else torch.equal(out.double(), ref)
+
+
+def test_the_shifted_labels_handed_to_the_loss_are_aligned(lk, monkeypatch):
+    """The loss gets its target as a tensor of its own, 16-byte aligned: transformers' spelling (pad, then slice)
+    hands one sequence's labels over as a view 8 bytes into its storage, and Triton keys a launch by its tensors'
+    alignment, so every launch that reads such a target was keyed apart from the aligned ones (NOTES.md §39)."""
+    module = sys.modules[lk.LigerForCausalLMLoss.__module__]
+    targets = []
+    for name in ("cross_entropy", "liger_fused_linear_cross_entropy"):
+        monkeypatch.setattr(module, name, lambda *args, **kwargs: targets.append(args[2 if len(args) > 2 else 1]))
+    labels = batch()[:1]
+    lk.LigerForCausalLMLoss(torch.randn(1, S, V), labels, V)
+    lk.LigerForCausalLMLoss(None, labels, V, hidden_states=torch.randn(1, S, H), lm_head_weight=torch.randn(V, H))
+    assert len(targets) == 2 and all(t.data_ptr() % 16 == 0 for t in targets)
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0])

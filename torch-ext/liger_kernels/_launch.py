@@ -183,8 +183,8 @@ def launch_prepared(
     keyword-only parameters are names bound locally, not arguments: this runs on every launch.)"""
     bound = prepared.bound
     if bound is not None:
-        (kernel_, device, debug, instrumentation, dtypes, n_trailing, grid, run, flags, function, metadata, constexprs,
-         checks) = bound  # fmt: skip
+        (kernel_, device, debug, instrumentation, alignment, dtypes, n_trailing, grid, run, flags, function, metadata,
+         constexprs, checks) = bound  # fmt: skip
         runtime = knobs.runtime
         if (
             kernel_ is kernel
@@ -203,7 +203,8 @@ def launch_prepared(
             and not kernel.pre_run_hooks
         ):
             # The facts of ``_prepared_key``'s common form, each against the bound launch's: exact types, the
-            # dtypes, 16-byte alignment, then float trailing arguments.
+            # dtypes, 16-byte alignment (every tensor's, or the bound launch's pattern of it), then float trailing
+            # arguments.
             addresses = 0
             for t, dtype in zip(tensors, dtypes):
                 kind = type(t)
@@ -215,7 +216,9 @@ def launch_prepared(
                     if type(value) is not float:
                         break
                 else:
-                    if not addresses & 15 and (not checks or _globals_unchanged(checks)):
+                    if (not addresses & 15 if alignment is _ALIGNED else _alignment(tensors) == alignment) and (
+                        not checks or _globals_unchanged(checks)
+                    ):
                         # (_launch's call, spelled again: a shared helper would be one more frame per launch)
                         run(
                             *grid,
@@ -240,15 +243,22 @@ _data_ptr = torch.Tensor.data_ptr
 _ALIGNED = _Token()  # in a prepared key: every tensor's address is a multiple of 16, and the dtypes follow
 
 
+def _alignment(tensors, _data_ptr=torch.Tensor.data_ptr) -> tuple:
+    """Whether each tensor's address is a multiple of 16: a prepared key's alignment where some is not."""
+    return tuple([not _data_ptr(t) & 15 for t in tensors])
+
+
 def _prepared_key(token, tensors, trailing, head=()) -> tuple:
     """A prepared launch's key: ``head`` (the launch's device and Triton's settings), the plan's token, then what
     Triton specializes on in the tensors and the trailing arguments, with the plan's scalars between the two
-    groups, so that the key says which parameter each keyed argument is. Where every tensor is 16-byte aligned and
-    of exact type ``torch.Tensor`` or ``nn.Parameter`` (a subclass may override the ``data_ptr`` Triton calls), and
-    every trailing argument is a float, a bool or None, the common case, that is the marker ``_ALIGNED``, each
-    tensor's dtype and each trailing argument's class: the same facts as ``argument_keys``' per-tensor (dtype,
-    True) and per-float class; the marker, never equal to an argument's key, keeps the two forms apart. Otherwise
-    the tensors' count and each argument's key."""
+    groups, so that the key says which parameter each keyed argument is. Where every tensor is of exact type
+    ``torch.Tensor`` or ``nn.Parameter`` (a subclass may override the ``data_ptr`` Triton calls), and every
+    trailing argument is a float, a bool or None, the common form: the tensors' alignment (the marker
+    ``_ALIGNED`` where every address is a multiple of 16, else ``_alignment``'s tuple), each tensor's dtype and
+    each trailing argument's class: the same facts as ``argument_keys``' per-tensor (dtype, aligned) and per-float
+    class; the marker and the tuple, never equal to the other form's count of tensors, keep the two forms apart.
+    Otherwise the tensors' count and each argument's key. (A target sliced from shifted labels, ``labels[..., 1:]``
+    of one sequence, is 8 bytes off: in the common form too, so that its launches are bound as well.)"""
     # One pass, with each check inline: this runs at every launch, and a pass of map() and set calls per fact
     # cost twice as much (NOTES.md §35).
     key = [*head, token, _ALIGNED]
@@ -260,8 +270,10 @@ def _prepared_key(token, tensors, trailing, head=()) -> tuple:
             return _keyed_apart(token, tensors, trailing, head)
         addresses |= _data_ptr(t)
         append(t.dtype)
-    if addresses & 15 or not tensors:
+    if not tensors:
         return _keyed_apart(token, tensors, trailing, head)
+    if addresses & 15:
+        key[len(head) + 1] = _alignment(tensors)
     n_keyed = len(key)
     for value in trailing:
         kind = type(value)
@@ -311,10 +323,14 @@ def _launch(kernel, grid, args, meta, prepared=None, tensors=(), trailing=()) ->
     ):
         entry = _CACHES.get(id(kernel))
         cache = entry[1] if entry is not None and entry[0] is kernel else None
+        alignment = None  # a prepared key's of the common form (``_prepared_key``): a launch that may be bound
         try:
             head = (device, runtime.debug, knobs.compilation.instrumentation_mode)
             if prepared is not None and prepared.key is not None:
                 key = _prepared_key(prepared.key, tensors, trailing, head)
+                alignment = key[len(head) + 1]
+                if alignment is not _ALIGNED and type(alignment) is not tuple:
+                    alignment = None
             else:
                 key = (
                     *head,
@@ -326,7 +342,7 @@ def _launch(kernel, grid, args, meta, prepared=None, tensors=(), trailing=()) ->
         except (_Unrecognized, TypeError):  # an argument the key does not cover, or an unhashable constexpr
             key = compiled = None
         if compiled is not None and (not compiled[5] or _globals_unchanged(compiled[5])):
-            if prepared is not None and key[len(head) + 1] is _ALIGNED:
+            if alignment is not None:
                 _bind(kernel, prepared, key, len(head), len(tensors), trailing, compiled)
             run, flags, function, metadata, constexprs, _ = compiled
             run(
@@ -353,17 +369,17 @@ def _launch(kernel, grid, args, meta, prepared=None, tensors=(), trailing=()) ->
 
 def _bind(kernel, prepared, key, n_head: int, n_tensors: int, trailing, compiled) -> None:
     """Remember ``compiled`` on ``prepared`` with what ``launch_prepared`` checks to launch it again: ``key``'s head
-    and its tensors' dtypes (``key`` is of ``_prepared_key``'s common form: the head, the token, ``_ALIGNED``, each
-    tensor's dtype, each trailing argument's class), where every trailing argument is a float (an int's key is its
-    value's class: not bound). A binding outlives the entry of ``_CACHES`` it came from: that map is bounded for
-    memory, and a key's compiled kernel stays the one Triton chose for it."""
+    and its tensors' alignment and dtypes (``key`` is of ``_prepared_key``'s common form: the head, the token, the
+    alignment, each tensor's dtype, each trailing argument's class), where every trailing argument is a float (an
+    int's key is its value's class: not bound). A binding outlives the entry of ``_CACHES`` it came from: that map
+    is bounded for memory, and a key's compiled kernel stays the one Triton chose for it."""
     if any(type(value) is not float for value in trailing):
         prepared.bound = None
         return
     dtypes = key[n_head + 2 : n_head + 2 + n_tensors]
     grid = prepared.grid
     grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    prepared.bound = (kernel, *key[:n_head], dtypes, len(trailing), grid, *compiled)
+    prepared.bound = (kernel, *key[:n_head], key[n_head + 1], dtypes, len(trailing), grid, *compiled)
 
 
 def _launcher(run) -> tuple:
