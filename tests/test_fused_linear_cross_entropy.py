@@ -481,15 +481,24 @@ def test_accum_dtype_and_autocast(lk, backend_name):
     slack = 2.0 if backend_name == "triton" and INTERPRETED else 1.0
     for got, base, ref in zip((loss, *grads), (eager, *eager_grads), (reference_loss(logits, target), *want_grads)):
         assert rel_err(got, ref) <= 1.5 * slack * rel_err(base, ref) + 1e-6
-    # fp64 parameters under autocast: the GEMMs in bf16, the gradients back in fp64 (a dtype the kernels do not
-    # take, so their scaling runs in PyTorch, whichever backend is set), scaled by a non-unit incoming gradient.
+    # fp64 inputs under autocast: autocast casts no float64 tensor, so F.linear computes in fp64 and so does the
+    # loss (it ran its GEMMs in bf16: a loss off by 1e-4, gradients by 5e-3), the same as without autocast; the
+    # gradients scaled by a non-unit incoming gradient (in PyTorch: the kernels take no fp64). An fp64 input beside
+    # an fp32 weight is F.linear's dtype error, a TypeError here. (fp64 takes the PyTorch path on "auto"; a forced
+    # Triton backend refuses it.)
     x64, w64 = (t.detach().double().requires_grad_() for t in (x, weight))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        unit = torch.autograd.grad(lk.liger_fused_linear_cross_entropy(x64, w64, target), (x64, w64))
-        loss = lk.liger_fused_linear_cross_entropy(x64, w64, target)
-    grads = torch.autograd.grad(loss, (x64, w64), torch.tensor(0.37))
-    assert [g.dtype for g in grads] == [torch.float64] * 2
-    assert all(torch.equal(g, u * torch.tensor(0.37)) for g, u in zip(grads, unit))
+    with backend("torch"):
+        plain = lk.liger_fused_linear_cross_entropy(x64, w64, target)
+        plain_grads = torch.autograd.grad(plain, (x64, w64), torch.tensor(0.37, dtype=torch.float64))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lk.liger_fused_linear_cross_entropy(x64, w64, target)
+            with pytest.raises(TypeError, match="same dtype"):
+                lk.liger_fused_linear_cross_entropy(x64, weight, target)
+        grads = torch.autograd.grad(loss, (x64, w64), torch.tensor(0.37, dtype=torch.float64))
+    assert loss.dtype == torch.float64 and torch.equal(loss, plain)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads))
+    want = torch.autograd.grad(reference_loss(F.linear(x64, w64), target) * 0.37, (x64, w64))
+    assert all(rel_err(g, w) <= 1e-12 for g, w in zip(grads, want))
 
 
 def test_chunk_rows_rule(lk):

@@ -8,6 +8,7 @@ import operator
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -391,6 +392,63 @@ def test_a_node_that_also_saved_gate_raises_after_the_in_place_backward(lk, op, 
         loss = (call(lk, gate, up, True) * w).sum() + others  # (a contiguous incoming gradient, w)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+@pytest.mark.parametrize("op", sorted(IN_PLACE_CALLS))
+@pytest.mark.parametrize("hooked", [False, True])
+def test_in_place_backward_leaves_a_producer_that_saved_its_output_alone(lk, op, name, hooked):
+    """``gate = exp(z)``: exp's node saved gate and reads it in its backward, after the op's. Under a saved-tensor
+    hook active when exp ran (and no longer when the op runs) autograd does not check versions: writing the
+    gradient over gate gave exp's backward that gradient for exp(z), silently (d_z wrong by 125%). Without the hook
+    it raised autograd's in-place error. The gradients are now written fresh, exact either way; up is the
+    output of a Python Function (which may have saved it) in the same way."""
+    if name == "triton":
+        require_interpreted_triton()
+    z, u = torch.randn(4, 64, requires_grad=True), torch.randn(4, 64, requires_grad=True)
+    scope = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if hooked else contextlib.nullcontext()
+    with backend(name):
+        with scope:
+            gate, up = torch.exp(z), _SavesOutput.apply(u)
+        d_z, d_u = torch.autograd.grad((IN_PLACE_CALLS[op](lk, gate, up, True) * 1.5).sum(), (z, u))
+    z64, u64 = z.detach().double().requires_grad_(), u.detach().double().requires_grad_()
+    approximate = "none" if op in ("swiglu", "silu_mul") else "tanh"
+    gate64 = torch.exp(z64)
+    act = gate64 * torch.sigmoid(gate64) if approximate == "none" else F.gelu(gate64, approximate="tanh")
+    want = torch.autograd.grad((act * torch.exp(u64) * 1.5).sum(), (z64, u64))
+    assert rel_err(d_z, want[0]) < 1e-6 and rel_err(d_u, want[1]) < 1e-6
+
+
+class _SavesOutput(torch.autograd.Function):
+    """exp as a Python Function that saves its output."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.exp(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        (out,) = ctx.saved_tensors
+        return d_out * out
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_in_place_backward_with_an_incoming_gradient_over_gate_s_memory_is_exact(lk, name):
+    """``grad_outputs`` made as a view of gate's own storage, one element apart: the kernel reads the incoming
+    gradient block by block while it writes the gradients over gate, so later blocks read gradients where the
+    incoming gradient was (d_up off by 1.2 from column 2048 on). The gradients are written fresh there."""
+    if name == "triton":
+        require_interpreted_triton()
+    width = 4100  # more than one 2048-column block
+    h = torch.randn(1, width + 1, requires_grad=True) * 1.0
+    up = torch.randn(1, width, requires_grad=True)
+    gate, d_out = h[:, 1:], h[:, :width]
+    want = d_out.detach().double() * torch.nn.functional.silu(gate.detach().double())
+    with backend(name):
+        (d_up,) = torch.autograd.grad(lk.silu_mul(gate, up * 1.0, 1.0, 1.0, True), (up,), d_out)
+    assert rel_err(d_up, want) < 1e-6
 
 
 @pytest.mark.parametrize("multiplier", [2, np.float64(0.5), np.float32(-1.5), True.__class__(1) + 1])

@@ -60,3 +60,48 @@ def test_kernelized_model_matches_and_switches_modes(lk, variant_root, tagged, n
 
         kernelize(model.train(), mode=Mode.TRAINING, device="cpu")
         assert mlp_layers(model, mlp_cls) == {f"LigerTiled{kind}MLP"}
+
+
+@pytest.mark.parametrize("hook", ["a ModelHook of the user's", "cpu_offload"])
+@pytest.mark.parametrize("order", ["kernelize first", "hook first"])
+def test_accelerate_hooks_run_or_the_layer_refuses(lk, variant_root, hook, order):
+    """accelerate wraps a module's forward; kernelize replaces it. Kernelized first, the hook wraps the layer and
+    runs (the output equals the hooked host's); hooked first, the hook would no longer run (a ModelHook's change
+    of the input silently lost, offloaded weights left on the meta device): the layer raises a ValueError naming
+    the hook instead."""
+    from accelerate import cpu_offload
+    from accelerate.hooks import ModelHook, add_hook_to_module
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class AddOne(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            return (args[0] + 1.0, *args[1:]), kwargs
+
+    def attach(module):
+        if hook == "cpu_offload":
+            cpu_offload(module, execution_device="cpu")
+        else:
+            add_hook_to_module(module, AddOne())
+
+    def kernelized(module):
+        with use_kernel_mapping(lk.kernel_mapping(variant_root, layers=["RMSNorm"]), inherit_mapping=False):
+            kernelize(module, mode=Mode.INFERENCE, device="cpu")
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8)
+    reference = LlamaRMSNorm(8)
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 1.5)
+    host = copy.deepcopy(reference)
+    attach(reference)
+    want = reference(x)
+    if order == "kernelize first":
+        kernelized(host)
+        attach(host)
+        assert host._old_forward.__func__.__qualname__ == "LigerRMSNorm.forward"
+        torch.testing.assert_close(host(x), want, rtol=1e-6, atol=1e-6)  # (the hook adds 1 to every input)
+    else:
+        attach(host)
+        kernelized(host)
+        with pytest.raises(ValueError, match="accelerate's hook"):
+            host(x)

@@ -968,3 +968,38 @@ def test_misshapen_inputs_are_named(lk, case):
         inputs["lm_head_weight"] = torch.randn(V, H)
     with pytest.raises(ValueError, match=message.replace("`", "`")):
         lk.LigerForCausalLMLoss(labels=batch(), vocab_size=V, **inputs)
+
+
+def test_causal_lm_loss_compiles_and_exports_after_eager_calls(lk):
+    """The model's form is read once per class and kept; a compiled call reads it as a constant of the trace and
+    leaves the kept map alone: dynamo's guard on a map keyed by code objects failed to compile (an internal
+    SyntaxError) at the first recompile and at any compile after an eager call, strict export too."""
+    torch._dynamo.reset()
+    model = llama()
+    step = torch.compile(lambda model, ids: lk.causal_lm_loss(model, ids, labels=ids), backend="eager")
+    for length in (9, 13):  # an eager call first, then a recompile for the second length
+        ids = torch.randint(0, SIZES["vocab_size"], (2, length), generator=torch.Generator().manual_seed(length))
+        want = lk.causal_lm_loss(model, ids, labels=ids)
+        torch.testing.assert_close(step(model, ids), want, rtol=1e-12, atol=0)
+    module = lk.CausalLMWithFusedLoss(model)
+    exported = torch.export.export(module, (ids,), {"labels": ids}, strict=True)
+    torch.testing.assert_close(exported.module()(ids, labels=ids), want, rtol=1e-12, atol=0)
+    torch._dynamo.reset()
+
+
+def test_causal_lm_loss_runs_the_decoder_without_a_cache_unless_asked(lk):
+    """No KV cache is built for the loss (the tiled decoder layers need none): with packed sequences (position_ids
+    that restart at 0, no mask) transformers then keeps them apart with a block-diagonal mask, as
+    ``model(..., use_cache=False)`` does, where ``model(...)`` under the config's ``use_cache=True`` builds a cache
+    and a plain causal mask over the pack; ``use_cache=True`` passed gives that one. Unpacked, every form agrees."""
+    model = llama()
+    assert model.config.use_cache
+    ids = torch.randint(0, SIZES["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(3))
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]] * 2)
+    apart = model(input_ids=ids, labels=ids, position_ids=packed, use_cache=False).loss
+    across = model(input_ids=ids, labels=ids, position_ids=packed).loss
+    # (transformers' loss casts the logits to fp32: its losses are fp32-accurate)
+    assert rel_err(apart, across) > 1000 * FP32_BOUND  # the two masks differ, or this test would prove nothing
+    assert rel_err(lk.causal_lm_loss(model, ids, labels=ids, position_ids=packed), apart) <= FP32_BOUND
+    assert rel_err(lk.causal_lm_loss(model, ids, labels=ids, position_ids=packed, use_cache=True), across) <= FP32_BOUND
+    assert rel_err(lk.causal_lm_loss(model, ids, labels=ids), model(input_ids=ids, labels=ids).loss) <= FP32_BOUND

@@ -559,6 +559,34 @@ def test_declared_host_is_served(lk, declarations):
         lk.layers.declare_rms_norm_host(host)
 
 
+def test_a_declared_host_parametrized_is_served_and_a_look_alike_is_not(lk, declarations):
+    """parametrize makes the instance's class a subclass ("ParametrizedGemmaRMSNorm") that adds the weight's
+    property and nothing else: the declaration holds for it (it was refused, asked to declare the generated class),
+    with the parametrized weight. A user's subclass of that name that changes the host's math is read as any
+    class (and refused)."""
+    lk.layers.declare_rms_norm_host(GemmaRMSNorm, casting="gemma", offset=1.0, eps_attribute="eps")
+    host = GemmaRMSNorm(HIDDEN, eps=1e-6)
+    with torch.no_grad():
+        host.weight.normal_(0.0, 0.5)
+
+    class Halved(nn.Module):
+        def forward(self, weight):
+            return 0.5 * weight
+
+    torch.nn.utils.parametrize.register_parametrization(host, "weight", Halved())
+    assert type(host).__name__ == "ParametrizedGemmaRMSNorm"
+    x = torch.randn(3, HIDDEN)
+    with backend("torch"):
+        assert torch.equal(bind(lk.LigerRMSNorm, host)(x), type(host).forward(host, x))
+
+    class ParametrizedGemmaRMSNorm(GemmaRMSNorm):  # the same name, another norm
+        def _norm(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="ParametrizedGemmaRMSNorm"):
+        bind(lk.LigerRMSNorm, ParametrizedGemmaRMSNorm(HIDDEN))(x)
+
+
 class BiasedRMSNorm(LlamaRMSNorm):
     def __init__(self, hidden, eps=1e-6):
         super().__init__(hidden, eps)

@@ -457,16 +457,28 @@ def test_a_global_module_hook_steering_the_activation_applies_as_in_the_plain_mo
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("path", ["fast", "generic"])
-def test_a_weight_changed_in_place_before_backward_raises_as_in_the_plain_module(lk, path):
-    """An optimizer or EMA step between forward and backward: autograd's own error, as for the plain module's
-    saved weights, never gradients silently computed with the new values."""
-    module = bind(lk.LigerTiledSwiGLUMLP, llama_mlp())
+@pytest.mark.parametrize("changed", ["trainable", "frozen"])
+@pytest.mark.parametrize("path", ["fast", "generic", "apply_tiled_mlp", "LigerTiledMLPFunction"])
+def test_a_weight_changed_in_place_before_backward_raises_as_in_the_plain_module(lk, path, changed):
+    """An optimizer or EMA step between forward and backward, on a trainable weight or a frozen one (a base weight
+    under LoRA, merged or requantized): autograd's own error, as for the plain module's saved weights, never
+    gradients silently computed with the new values (a frozen one was read anew: d_x off by 280%)."""
+    host = llama_mlp()
+    module = host if path in ("apply_tiled_mlp", "LigerTiledMLPFunction") else bind(lk.LigerTiledSwiGLUMLP, host)
     module.num_shards = 3
     if path == "generic":
         module.up_proj.weight.requires_grad_(False)  # a frozen up_proj, not delivered: the generic recompute
+    if changed == "frozen":
+        module.gate_proj.weight.requires_grad_(False)
     x, _ = inputs()
-    out = module(x.requires_grad_())
+    forward = lambda m, shard: type(m).forward(m, shard)  # noqa: E731
+    if path == "apply_tiled_mlp":
+        out = lk.apply_tiled_mlp(forward, module, x.requires_grad_(), num_shards=3)
+    elif path == "LigerTiledMLPFunction":  # called directly, it saves the parameters itself
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        out = lk.tiled_mlp.LigerTiledMLPFunction.apply(forward, module, x.requires_grad_(), 3, [], None, *trainable)
+    else:
+        out = module(x.requires_grad_())
     with torch.no_grad():
         module.gate_proj.weight.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

@@ -28,6 +28,8 @@ import os
 import textwrap
 from typing import NamedTuple
 
+import torch
+
 
 class Factor(NamedTuple):
     divide: bool  # x / value (else x * value)
@@ -43,7 +45,9 @@ class Form(NamedTuple):
     softcap: tuple | None = None  # attribute chain of the softcapping value, applied when it is not None
     guards: tuple = ()  # (flag, config chain or None): blocks that run where the flag is true
     loss_takes_kwargs: bool = True  # the loss call passes **kwargs on (num_items_in_batch, shift_labels...)
-    decoder_parameters: frozenset = frozenset()  # the forward's parameters it hands the decoder by name
+    # the forward's parameters it hands the decoder by name (a tuple: a compiled call asks `in` of it, and dynamo
+    # guards a set's membership where it cannot guard a constant's)
+    decoder_parameters: tuple = ()
     decoder_takes_kwargs: bool = True  # it hands the decoder its **kwargs too
     vocab_size: tuple | None = None  # attribute chain of the vocab_size the loss is told (None: the logits' own)
     problem: str | None = None  # why the model is refused
@@ -254,7 +258,7 @@ class _Reader:
         missing = [n for n in ("input_ids", "attention_mask") if n not in given]
         if missing:
             raise _Unknown(f"the decoder call without `{missing[0]}`")
-        self.form["decoder_parameters"] = frozenset(given)
+        self.form["decoder_parameters"] = tuple(sorted(set(given)))
         self.form["decoder_takes_kwargs"] = passes_kwargs
 
     def branch(self, statement: ast.If):
@@ -403,14 +407,28 @@ def form_of(cls) -> Form:
     """How the CausalLM class ``cls`` computes its loss, read once per forward's code (an edited forward, as
     IPython's autoreload swaps code objects, is read again)."""
     forward = getattr(cls, "forward", None)
+    if torch.compiler.is_compiling():
+        # Read as a constant of the trace, the map neither read nor written: dynamo guards a map it reads by its
+        # keys, and its guard code cannot spell a code object (an internal SyntaxError at the first recompile, or
+        # at any compile after an eager call: NOTES.md §39).
+        return _read_form(forward)
+    try:
+        code = getattr(_unwrapped(forward), "__code__", None)
+    except _Unknown:
+        code = None
+    known = _FORMS.get(code) if code is not None else None
+    if known is None:
+        known = _read_form(forward)
+        if code is not None:
+            _FORMS[code] = known
+    return known
+
+
+def _read_form(forward) -> Form:
     try:
         function = _unwrapped(forward)
     except _Unknown as error:
         return Form(problem=f"its forward is {error}, which causal_lm_loss would not read through")
-    code = getattr(function, "__code__", None)
-    known = _FORMS.get(code)
-    if known is not None:
-        return known
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
         node = tree.body[0]
@@ -424,9 +442,10 @@ def form_of(cls) -> Form:
         known = Form(problem=f"its forward holds {error}, which causal_lm_loss would not reproduce")
     except (OSError, TypeError, SyntaxError, ValueError) as error:  # no source to read, or an odd one
         known = Form(problem=f"its forward could not be read ({type(error).__name__}: {error})")
-    if code is not None:
-        _FORMS[code] = known
     return known
+
+
+_read_form._dynamo_marked_constant = True
 
 
 def _unwrapped(function):

@@ -471,10 +471,43 @@ def save_for_backward(ctx, gate, up, activation, gate_multiplier, down_multiplie
     ctx.in_place = in_place and may_write_in_place(gate, up, own_buffers)
 
 
-def may_write_in_place(gate, up, own_buffers: bool) -> bool:
+def may_write_in_place(gate, up, own_buffers: bool):
     """Whether a backward asked to write over ``gate`` and ``up`` may (the contract above), asked in forward; the
-    graph's retention is asked when it runs."""
-    return may_write_over(gate, up) and not _backend.saved_tensor_hooks_forbid_writing(own_buffers)
+    graph's retention is asked when it runs, and for a caller's buffers the incoming gradient too: a truthy answer
+    is then ``ASK_INCOMING`` (``may_write_over_now``). A layer's own buffers never meet an incoming gradient that
+    shares their memory: nothing outside the layer holds them."""
+    return (
+        may_write_over(gate, up)
+        and not _backend.saved_tensor_hooks_forbid_writing(own_buffers)
+        and (own_buffers or (not (_producer_saved_output(gate) or _producer_saved_output(up)) and ASK_INCOMING))
+    )
+
+
+ASK_INCOMING = object()  # (truthy) ``ctx.in_place`` for a caller's buffers: in place if the incoming gradient allows
+
+
+_PythonNode = torch.autograd.function.BackwardCFunction
+
+
+def _producer_saved_output(t) -> bool:
+    """Whether the node that made ``t`` (or its base, for a view) may have saved its output: a generated node that
+    keeps ``result`` (exp, sigmoid, tanh, softmax...) or any Python Function's. Its backward would read the
+    gradients written over it, and autograd's version check, which would have raised, is off where a
+    saved-tensor hook was active when that node saved it (NOTES.md §39): the gradients are written fresh."""
+    for node in (t.grad_fn, None if t._base is None else t._base.grad_fn):
+        if node is not None and (
+            isinstance(node, _PythonNode) or hasattr(node, "_saved_result") or hasattr(node, "_saved_result0")
+        ):
+            return True
+    return False
+
+
+def may_write_over_now(d_out, gate, up) -> bool:
+    """Asked in backward, where a caller's gate and up may be written over: the incoming gradient shares no memory
+    with them (a ``grad_outputs`` the caller made as a view of gate's storage: the kernel reads it block by block
+    while it writes the gradients there)."""
+    storage = d_out.untyped_storage().data_ptr()
+    return storage != gate.untyped_storage().data_ptr() and storage != up.untyped_storage().data_ptr()
 
 
 def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -513,6 +546,11 @@ def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | N
     ):
         activation, gate_multiplier, down_multiplier = args
         in_place = ctx.in_place and not graph_is_retained()
+        if in_place and ctx.in_place is ASK_INCOMING:
+            # The incoming gradient shares no memory with gate or up (contiguous, one shape and dtype: their
+            # address ranges apart), a caller's grad_outputs made as a view of gate's storage included.
+            n_bytes, at = d_out.nbytes, d_out.data_ptr()
+            in_place = not (-n_bytes < at - gate.data_ptr() < n_bytes or -n_bytes < at - up.data_ptr() < n_bytes)
         d_gate, d_up = (gate, up) if in_place else (_backend.new_like(gate), _backend.new_like(up))
         function, n = activation.triton_value_and_grad, gate.numel()
         plan = _PLANS.get((id(function), False, 1, n, 0, 0, 0, 0, 0, BLOCK, NUM_WARPS)) or _plan(
@@ -524,7 +562,12 @@ def backward_from_ctx(ctx, d_out) -> tuple[torch.Tensor | None, torch.Tensor | N
             torch.autograd.graph.increment_version(gate)
             torch.autograd.graph.increment_version(up)
     else:
-        d_gate, d_up = gated_backward(d_out, gate, up, *args, ctx.in_place and not graph_is_retained())
+        in_place = (
+            ctx.in_place
+            and not graph_is_retained()
+            and (ctx.in_place is not ASK_INCOMING or may_write_over_now(d_out, gate, up))
+        )
+        d_gate, d_up = gated_backward(d_out, gate, up, *args, in_place)
     needs = ctx.needs_input_grad
     return (d_gate if needs[0] else None), (d_up if needs[1] else None)
 
@@ -594,12 +637,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(gate, up)
     ctx.args = (activation, gate_multiplier, down_multiplier)
     # Compiled graphs never write in place (see _backward), and fake tensors have no storage to compare.
-    ctx.in_place = (
-        in_place_backward
-        and not torch.compiler.is_compiling()
-        and may_write_over(gate, up)
-        and not _backend.saved_tensor_hooks_forbid_writing(False)
-    )
+    ctx.in_place = in_place_backward and not torch.compiler.is_compiling() and may_write_in_place(gate, up, False)
 
 
 def _backward(ctx, d_out):
@@ -609,7 +647,12 @@ def _backward(ctx, d_out):
         d_gate, d_up = _backward_torch(
             d_out, gate, up, REGISTRY[activation], gate_multiplier, down_multiplier, differentiable=True
         )
-    elif ctx.in_place and not torch.compiler.is_compiling() and not graph_is_retained():
+    elif (
+        ctx.in_place
+        and not torch.compiler.is_compiling()
+        and not graph_is_retained()
+        and may_write_over_now(d_out, gate, up)
+    ):
         gated_backward_in_place_op(d_out, gate, up, *ctx.args)
         d_gate, d_up = gate, up
     else:  # compiled graphs get the pure op: the compiler plans the buffers itself

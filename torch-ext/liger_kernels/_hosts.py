@@ -257,6 +257,24 @@ _GATED_FORMS = {}
 MAX_FORMS = 1024
 
 
+def refuse_a_bypassed_hook(module: nn.Module, forward, layer: str) -> None:
+    """For a host that carries accelerate's hook (``_hf_hook``; the layers ask only then): a ValueError where that
+    hook had wrapped the host's forward before kernelize replaced it (``kernelize`` sets the instance's ``forward``,
+    accelerate's wrapper included), so that the hook no longer runs: it moved the inputs to the execution device
+    and loaded offloaded weights, and a user's ``ModelHook`` changed the inputs or the output. Where kernelize ran
+    first, accelerate's wrapper calls the layer's ``forward`` (its ``_old_forward``) and runs the hook itself."""
+    old = module.__dict__.get("_old_forward")
+    if getattr(old, "__func__", None) is forward:
+        return
+    raise ValueError(
+        f"liger-kernels {layer}: the host {type(module).__name__} carries accelerate's hook (`_hf_hook`), attached "
+        "before kernelize replaced the forward the hook had wrapped: the hook no longer runs (it moves the inputs to "
+        "the execution device, loads offloaded weights, or runs a ModelHook of yours). Kernelize the model before "
+        "accelerate dispatches or offloads it (from_pretrained(..., use_kernels=True) does), or remove its hooks "
+        "first (accelerate.hooks.remove_hook_from_module)."
+    )
+
+
 def own_source(function) -> str:
     """The source of ``function``'s own code, dedented (``inspect.getsource`` of the function itself follows
     ``__wrapped__`` to the function a ``functools.wraps`` wrapper wraps: a wrapper assigned in a class body,
@@ -563,8 +581,31 @@ def rms_norm_host(cls) -> tuple:
         if len(_RMS_NORM_HOSTS) >= MAX_FORMS:
             for read in [c for c, entry in _RMS_NORM_HOSTS.items() if not entry[2]]:
                 del _RMS_NORM_HOSTS[read]
-        known = _RMS_NORM_HOSTS[cls] = (forward, _classify_rms_norm_host(cls), False)
+        # parametrize's class for a declared host computes what the host does (it adds the parametrized tensors'
+        # properties, nothing else): the declaration holds for it
+        base = _parametrized_base(cls)
+        declared = _RMS_NORM_HOSTS.get(base) if base is not None else None
+        if declared is not None and declared[2] and declared[0] is forward:
+            known = _RMS_NORM_HOSTS[cls] = (forward, declared[1], False)
+        else:
+            known = _RMS_NORM_HOSTS[cls] = (forward, _classify_rms_norm_host(cls), False)
     return known[1]
+
+
+def _parametrized_base(cls):
+    """The class ``torch.nn.utils.parametrize`` made ``cls`` from (a subclass named "Parametrized" + its name, with
+    ``__getstate__`` and ``__deepcopy__`` of its own and a property per parametrized tensor), or None."""
+    bases = cls.__bases__
+    if len(bases) != 1 or cls.__name__ != f"Parametrized{bases[0].__name__}":
+        return None
+    own = {name: value for name, value in vars(cls).items() if name not in _PARAMETRIZED_OWN}
+    if not all(isinstance(value, property) and value.fget.__module__ == _PARAMETRIZE for value in own.values()):
+        return None
+    return bases[0]
+
+
+_PARAMETRIZE = "torch.nn.utils.parametrize"
+_PARAMETRIZED_OWN = {"__getstate__", "__deepcopy__", "__module__", "__doc__", "__dict__", "__weakref__"}
 
 
 rms_norm_host._dynamo_marked_constant = True

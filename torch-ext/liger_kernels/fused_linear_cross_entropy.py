@@ -22,7 +22,8 @@ gradient is per row and must weight each row before the rows are summed into the
 keeps the row logsumexps and backward recomputes the chunks' logits.
 
 The loss is fp32 (fp64 for fp64 inputs). Under autocast the GEMMs run in the autocast dtype, like
-``F.linear`` would, and each gradient is returned in its parameter's dtype (from the fp32 accumulator).
+``F.linear`` would (fp64 inputs stay fp64: autocast casts none), and each gradient is returned in its parameter's
+dtype (from the fp32 accumulator).
 
 This module is over 300 lines because the chunking, the autograd Function, the torch.library ops and the
 PyTorch path of one computation change together.
@@ -91,6 +92,10 @@ def _validate(
             f"{op}: `input` and `weight` must be on the same device, got {input.device} and {weight.device}"
         )
     autocast = _replay.autocast_enabled(input.device.type)  # False on devices without autocast (meta)
+    if autocast and torch.float64 in (input.dtype, weight.dtype, getattr(bias, "dtype", None)):
+        # Autocast casts no float64 tensor: F.linear computes in float64 where every operand is, and fails where one
+        # is float64 and another is not; so here (the dtype checks below then run as without autocast)
+        autocast = False
     dtype = torch.get_autocast_dtype(input.device.type) if autocast else input.dtype
     if not autocast and weight.dtype != input.dtype:
         raise TypeError(f"{op}: `input` and `weight` must have the same dtype, got {input.dtype} and {weight.dtype}")

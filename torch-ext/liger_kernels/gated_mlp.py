@@ -92,12 +92,14 @@ class GatedMLP:
                 # act(gate) * up in the inputs' dtype, rounded after each op: the host module's own arithmetic
                 # (bit for bit where its activation is PyTorch's op), over the gate buffer
                 return F.linear(activation.torch_in_place(gate).mul_(up), *down_operands)
-            # Outputs of F.linear are fresh tensors nobody else keeps: backward may write over them. Asked only
-            # where a backward will run (decoding records nothing).
+            # Outputs of F.linear are fresh tensors nobody else keeps (a torch-function or dispatch mode may: one
+            # that records the projections' outputs would find the gradients there), so backward may write over
+            # them. Asked only where a backward will run (decoding records nothing).
             in_place = (
                 grad_mode
                 and (gate.requires_grad or up.requires_grad)
                 and not (gate_operands[0].is_meta or up_operands[0].is_meta)
+                and not (_function_modes() or _dispatch_modes())
             )
             hidden = _gated.gated_apply_eager(gate, up, activation, 1.0, 1.0, in_place, own_buffers=True)
             return F.linear(hidden, *down_operands)
@@ -108,6 +110,8 @@ class GatedMLP:
             and torch.is_grad_enabled()
             and _hosts.is_plain_linear(gate_proj)
             and _hosts.is_plain_linear(up_proj)
+            # (a compiled call never writes over them: the question is not traced)
+            and (torch.compiler.is_compiling() or not _modes_active())
         )
         return down_proj(_gated.gated_apply(gate, up, activation, 1.0, 1.0, in_place, own_buffers=True))
 
@@ -142,9 +146,18 @@ def _small_call(gate: torch.Tensor, up: torch.Tensor) -> bool:
         and type(gate) is torch.Tensor
         and type(up) is torch.Tensor
         and gate.shape == up.shape
-        and not (torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
+        and not (_function_modes() or _dispatch_modes())
         and not (_backend.forward_ad_active() or torch._C._are_functorch_transforms_active())
     )
+
+
+# Whether a torch-function or dispatch mode is active: it may keep the projections' outputs (to log them, say),
+# which the layer would otherwise write over.
+_function_modes, _dispatch_modes = torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack
+
+
+def _modes_active() -> bool:
+    return bool(_function_modes() or _dispatch_modes())
 
 
 def _is_hooked(act_fn) -> bool:

@@ -70,6 +70,8 @@ class LigerSwiGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "_hf_hook" in self.__dict__:
+            _hosts.refuse_a_bypassed_hook(self, LigerSwiGLUMLP.forward, "LigerSwiGLUMLP")
         return swiglu_mlp(self, x)
 
 
@@ -80,6 +82,8 @@ class LigerGEGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "_hf_hook" in self.__dict__:
+            _hosts.refuse_a_bypassed_hook(self, LigerGEGLUMLP.forward, "LigerGEGLUMLP")
         return geglu_mlp(self, x)
 
 
@@ -90,6 +94,8 @@ class LigerTiledSwiGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "_hf_hook" in self.__dict__:
+            _hosts.refuse_a_bypassed_hook(self, LigerTiledSwiGLUMLP.forward, "LigerTiledSwiGLUMLP")
         return tiled(swiglu_mlp, self, x)
 
 
@@ -100,6 +106,8 @@ class LigerTiledGEGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "_hf_hook" in self.__dict__:
+            _hosts.refuse_a_bypassed_hook(self, LigerTiledGEGLUMLP.forward, "LigerTiledGEGLUMLP")
         return tiled(geglu_mlp, self, x)
 
 
@@ -110,6 +118,8 @@ class LigerLinear(nn.Module):
     has_backward = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if "_hf_hook" in self.__dict__:
+            _hosts.refuse_a_bypassed_hook(self, LigerLinear.forward, "LigerLinear")
         _check_linear_host(self)
         return linear(self, input) if input.dim() < 2 else tiled(linear, self, input)
 
@@ -189,4 +199,6 @@ class LigerRMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if "_hf_hook" in self.__dict__:
+            _hosts.refuse_a_bypassed_hook(self, LigerRMSNorm.forward, "LigerRMSNorm")
         return rms_norm_layer(self, hidden_states)

@@ -240,7 +240,9 @@ def _decoder_kwargs(model, form, kwargs) -> dict:
         else:
             _refuse(model, f"its forward does not hand `{name}` to its decoder")
     if "use_cache" in form.decoder_parameters or form.decoder_takes_kwargs:
-        passed.setdefault("use_cache", False)  # (no cache is built; the loss is the same either way)
+        # No cache is built for a loss unless asked (the tiled decoder layers run untiled with one). The loss is the
+        # model's own but for packed sequences without a mask, where transformers then keeps them apart (README)
+        passed.setdefault("use_cache", False)
     return passed
 
 

@@ -145,7 +145,11 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile, asked=False
     if zero3 and not x.requires_grad and not explicit:
         anchor = torch.empty(0, device=x.device, requires_grad=True)
     if torch.is_grad_enabled() and (x.requires_grad or explicit):
-        x = _SavedForRecompute.apply(x.is_leaf and x.requires_grad, x, *explicit)
+        # The module's frozen parameters are saved too (not ZeRO-3's, whose data DeepSpeed swaps between calls):
+        # the recompute reads them as they are in backward, so one changed in place since forward must raise, as
+        # the plain module's saved weights do (frozen base weights under LoRA, an EMA copy).
+        frozen = [p for p in found.params if not p.requires_grad and not _zero3.is_zero3(p)]
+        x = _SavedForRecompute.apply(x.is_leaf and x.requires_grad, x, len(frozen), *explicit, *frozen)
     return LigerTiledMLPFunction.apply(fn, mlp_module, x, shards, zero3, anchor, *explicit)
 
 
@@ -288,7 +292,7 @@ def _check_no_gradient_is_lost(output, delivered: Sequence[torch.Tensor], shard_
 
 
 class _SavedForRecompute(torch.autograd.Function):
-    """Saves what the tiled backward reads (x and the trainable parameters) in a node of its own, before the
+    """Saves what the tiled backward reads (x and the parameters) in a node of its own, before the
     tiled forward runs, and passes x on as a view.
 
     Non-reentrant activation checkpointing (transformers' gradient checkpointing) recomputes a region in
@@ -300,8 +304,9 @@ class _SavedForRecompute(torch.autograd.Function):
     something after the MLP saves tensors, the recompute runs on through the tiled forward, as before."""
 
     @staticmethod
-    def forward(ctx, x_is_grad_leaf, x, *params):
-        ctx.x_is_grad_leaf, ctx.num_params = x_is_grad_leaf, len(params)
+    def forward(ctx, x_is_grad_leaf, x, num_frozen, *params):
+        # params: the trainable parameters, then num_frozen frozen ones (saved for the version check, no gradient)
+        ctx.x_is_grad_leaf, ctx.num_params, ctx.num_frozen = x_is_grad_leaf, len(params) - num_frozen, num_frozen
         ctx.set_materialize_grads(False)  # x that needs no gradient gets None, not an x-sized zero tensor
         ctx.save_for_backward(x, *params)
         return x.view_as(x)
@@ -309,7 +314,7 @@ class _SavedForRecompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_x):
         # The tiled backward returns d_x only where x itself needs it (needs_input_grad[1]).
-        return (None, d_x, *([None] * ctx.num_params))
+        return (None, d_x, None, *([None] * (ctx.num_params + ctx.num_frozen)))
 
 
 def _saved_for_recompute(x, params):
@@ -357,9 +362,9 @@ class LigerTiledMLPFunction(torch.autograd.Function):
         ctx.rng = _replay.capture_rng(x.device)
         ctx.tensors = _replay.capture_tensors(mlp_module)
         ctx.gather = layout.gather
-        # The parameters are saved as well as x: a weight changed in place before backward (an optimizer or EMA
-        # step) then raises autograd's own error, as the plain module's saved weights do, instead of the
-        # recompute silently using the new values. apply_tiled_mlp has saved them already, in a node of
+        # The parameters, trainable and frozen, are saved as well as x: a weight changed in place before backward
+        # (an optimizer or EMA step) then raises autograd's own error, as the plain module's saved weights do,
+        # instead of the recompute silently using the new values. apply_tiled_mlp has saved them already, in a node of
         # their own (``_SavedForRecompute``); a direct call of this Function saves them here.
         ctx.saved_by = _saved_for_recompute(x, params)
         # Autocast caches its casts of leaf tensors that require grad; the recompute feeds fn a shard of the
@@ -368,7 +373,8 @@ class LigerTiledMLPFunction(torch.autograd.Function):
             ctx.x_is_grad_leaf = ctx.saved_by.x_is_grad_leaf
         else:
             ctx.x_is_grad_leaf = x.is_leaf and x.requires_grad
-            ctx.save_for_backward(x, *params)
+            frozen = [p for p in _tiling.structure(mlp_module).params if not p.requires_grad and not _zero3.is_zero3(p)]
+            ctx.save_for_backward(x, *params, *frozen)
         if ctx.gated is not None:
             with _zero3.gathered(ctx.gather):
                 return gated_mlp_forward(ctx.gated, x, ctx.forward_bounds)
