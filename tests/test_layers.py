@@ -332,55 +332,6 @@ def test_layer_backward_under_saved_tensor_hooks(lk, layer, make_host, wrap, mon
     assert allocations.count == forwards + (2 if kept else 0)
 
 
-class _KeepsOutputs(torch.overrides.TorchFunctionMode):
-    """A mode that keeps what each F.linear returns (to log activation statistics after the step, say)."""
-
-    def __init__(self):
-        super().__init__()
-        self.kept = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.nn.functional.linear:
-            self.kept.append((out, out.detach().clone()))
-        return out
-
-
-class _KeepsMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
-    """The same below autograd: each mm / addmm output."""
-
-    def __init__(self):
-        super().__init__()
-        self.kept = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-            self.kept.append((out, out.detach().clone()))
-        return out
-
-
-@pytest.mark.parametrize("mode", [_KeepsOutputs, _KeepsMatmuls])
-@pytest.mark.parametrize("layer, make_host", [("LigerSwiGLUMLP", llama_mlp), ("LigerGEGLUMLP", gemma_mlp)])
-def test_projection_outputs_a_mode_kept_are_left_alone(lk, layer, make_host, mode, backend_name):
-    """Under a torch-function or dispatch mode that keeps the projections' outputs, backward writes fresh gradients
-    (it wrote them over gate and up, which the mode found changed after the step); the gradients equal the
-    host's."""
-    torch.manual_seed(0)
-    plain = make_host()
-    host = bind(getattr(lk, layer), copy.deepcopy(plain))
-    x = torch.randn(2, 5, HIDDEN)
-    leaves = [x.clone().requires_grad_(), *host.parameters()]
-    with mode() as keeper:
-        out = host(leaves[0])
-    got = torch.autograd.grad(out.sum(), leaves)
-    assert len(keeper.kept) == 3 and all(torch.equal(t, copy) for t, copy in keeper.kept)
-    reference = [x.clone().requires_grad_(), *plain.parameters()]
-    want = torch.autograd.grad(plain(reference[0]).sum(), reference)
-    for g, w in zip(got, want):
-        assert rel_err(g, w) < 1e-5
-
-
 class TaggedLinear(torch.nn.Linear):
     """A Linear tagged "Linear" for kernelize (transformers tags none of its own)."""
 
@@ -660,6 +611,28 @@ class _KeepMatmulOutputs(torch.utils._python_dispatch.TorchDispatchMode):
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
             self.kept.append(out)
         return out
+
+
+@pytest.mark.parametrize("mode", [_KeepLinearOutputs, _KeepMatmulOutputs])
+@pytest.mark.parametrize("layer, make_host", [("LigerSwiGLUMLP", llama_mlp), ("LigerGEGLUMLP", gemma_mlp)])
+def test_projection_outputs_a_mode_kept_are_left_alone(lk, layer, make_host, mode, backend_name):
+    """Under a torch-function or dispatch mode that keeps the projections' outputs, backward writes fresh gradients
+    (it wrote them over gate and up, which the mode found changed after the step); the gradients equal the
+    host's."""
+    torch.manual_seed(0)
+    plain = make_host()
+    host = bind(getattr(lk, layer), copy.deepcopy(plain))
+    x = torch.randn(2, 5, HIDDEN)
+    leaves = [x.clone().requires_grad_(), *host.parameters()]
+    with mode() as keeper:
+        out = host(leaves[0])
+    values = [t.detach().clone() for t in keeper.kept]
+    got = torch.autograd.grad(out.sum(), leaves)
+    assert len(keeper.kept) == 3 and all(torch.equal(t, v) for t, v in zip(keeper.kept, values))
+    reference = [x.clone().requires_grad_(), *plain.parameters()]
+    want = torch.autograd.grad(plain(reference[0]).sum(), reference)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-5
 
 
 @pytest.mark.parametrize("mode", [_KeepLinearOutputs, _KeepMatmulOutputs], ids=["torch_function", "dispatch"])
