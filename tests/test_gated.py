@@ -419,6 +419,25 @@ def test_in_place_backward_leaves_a_producer_that_saved_its_output_alone(lk, op,
     assert rel_err(d_z, want[0]) < 1e-6 and rel_err(d_u, want[1]) < 1e-6
 
 
+def test_in_place_backward_asks_a_freed_or_hooked_producer_nothing(lk):
+    """The producer's saved output is asked about without unpacking it: a producer whose graph a backward has freed
+    (unpacking raised "backward through the graph a second time") and one whose unpack hook would run."""
+    z, u = torch.randn(4, 64, requires_grad=True), torch.randn(4, 64, requires_grad=True)
+    unpacked = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: unpacked.append(t) or t):
+        gate = torch.exp(z)
+    gate.sum().backward(retain_graph=True)
+    unpacked.clear()
+    up = torch.exp(u)
+    up.sum().backward()  # up's producer freed
+    out = lk.silu_mul(gate, up, 1.0, 1.0, True)
+    assert unpacked == []
+    g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+    d_gate, d_up = torch.autograd.grad(out.sum(), (gate, up))
+    want = torch.autograd.grad((F.silu(g64) * u64).sum(), (g64, u64))
+    assert rel_err(d_gate, want[0]) < 1e-6 and rel_err(d_up, want[1]) < 1e-6
+
+
 class _SavesOutput(torch.autograd.Function):
     """exp as a Python Function that saves its output."""
 

@@ -496,7 +496,9 @@ def _producer_saved_output(t) -> bool:
     saved-tensor hook was active when that node saved it (NOTES.md §39): the gradients are written fresh."""
     for node in (t.grad_fn, None if t._base is None else t._base.grad_fn):
         if node is not None and (
-            isinstance(node, _PythonNode) or hasattr(node, "_saved_result") or hasattr(node, "_saved_result0")
+            # (the raw saved variables: reading `_saved_result` would unpack it, running a user's unpack hook, and
+            # raise once a backward has freed it)
+            isinstance(node, _PythonNode) or hasattr(node, "_raw_saved_result") or hasattr(node, "_raw_saved_result0")
         ):
             return True
     return False
