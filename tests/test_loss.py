@@ -1003,3 +1003,25 @@ def test_causal_lm_loss_runs_the_decoder_without_a_cache_unless_asked(lk):
     assert rel_err(lk.causal_lm_loss(model, ids, labels=ids, position_ids=packed), apart) <= FP32_BOUND
     assert rel_err(lk.causal_lm_loss(model, ids, labels=ids, position_ids=packed, use_cache=True), across) <= FP32_BOUND
     assert rel_err(lk.causal_lm_loss(model, ids, labels=ids), model(input_ids=ids, labels=ids).loss) <= FP32_BOUND
+
+
+def test_the_loss_exports_and_compiles_with_a_dynamic_sequence_length(lk):
+    """Traced, the labels are shifted as transformers shifts them: eager's spelling (the slice padded) guards the
+    sequence length (S - 1 != 1) and failed non-strict export with a dynamic sequence dimension, and an unbacked
+    length under compile."""
+
+    class Loss(torch.nn.Module):
+        def forward(self, logits, labels):
+            return lk.LigerForCausalLMLoss(logits, labels, V)
+
+    length = torch.export.Dim("S")
+    example = (torch.randn(2, 6, V), torch.randint(0, V, (2, 6)))
+    exported = torch.export.export(Loss(), example, dynamic_shapes=({1: length}, {1: length}), strict=False)
+    logits, labels = torch.randn(2, 9, V), batch()[:, :9]
+    torch.testing.assert_close(exported.module()(logits, labels), lk.LigerForCausalLMLoss(logits, labels, V))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda logits, labels: lk.LigerForCausalLMLoss(logits, labels, V), backend="eager")
+    labels = labels.clone()
+    torch._dynamo.decorators.mark_unbacked(labels, 1)
+    torch.testing.assert_close(compiled(logits, labels), lk.LigerForCausalLMLoss(logits, labels, V))
+    torch._dynamo.reset()

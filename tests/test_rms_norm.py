@@ -585,6 +585,20 @@ def test_a_declared_host_parametrized_is_served_and_a_look_alike_is_not(lk, decl
 
     with pytest.raises(ValueError, match="ParametrizedGemmaRMSNorm"):
         bind(lk.LigerRMSNorm, ParametrizedGemmaRMSNorm(HIDDEN))(x)
+    # declared again (here wrongly: another offset), the parametrized host follows, as the host itself does
+    lk.layers.declare_rms_norm_host(GemmaRMSNorm, casting="gemma", offset=0.0, eps_attribute="eps")
+    with backend("torch"):
+        want = lk.rms_norm(x, host.weight, host.eps, 0.0, "gemma")
+        assert torch.equal(bind(lk.LigerRMSNorm, host)(x), want)
+    # a parametrized host seen (and refused) before its class is declared is served once it is
+    other = GemmaRMSNorm(HIDDEN, eps=1e-6)
+    torch.nn.utils.parametrize.register_parametrization(other, "weight", Halved())
+    del declarations[GemmaRMSNorm]
+    with pytest.raises(ValueError, match="declare_rms_norm_host"):
+        bind(lk.LigerRMSNorm, other)(x)
+    lk.layers.declare_rms_norm_host(GemmaRMSNorm, casting="gemma", offset=1.0, eps_attribute="eps")
+    with backend("torch"):
+        assert torch.equal(bind(lk.LigerRMSNorm, other)(x), type(other).forward(other, x))
 
 
 class BiasedRMSNorm(LlamaRMSNorm):
@@ -680,7 +694,7 @@ def test_layer_recognizes_the_llama_form_however_written(lk, cls, declarations):
     with backend("torch"):
         assert torch.equal(fused(x), host(x))
     eps_attribute = "eps" if cls is RenamedLlamaNorm else "variance_epsilon"
-    assert declarations[cls][1:] == (("llama", 0.0, eps_attribute, ""), False)  # (classified, not declared)
+    assert declarations[cls][1:3] == (("llama", 0.0, eps_attribute, ""), False)  # (classified, not declared)
 
 
 def test_every_transformers_rms_norm_is_recognized(lk, declarations):

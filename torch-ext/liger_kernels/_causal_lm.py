@@ -406,25 +406,26 @@ _FORMS = {}  # the forward's code object -> Form
 def form_of(cls) -> Form:
     """How the CausalLM class ``cls`` computes its loss, read once per forward's code (an edited forward, as
     IPython's autoreload swaps code objects, is read again)."""
-    forward = getattr(cls, "forward", None)
     if torch.compiler.is_compiling():
         # Read as a constant of the trace, the map neither read nor written: dynamo guards a map it reads by its
         # keys, and its guard code cannot spell a code object (an internal SyntaxError at the first recompile, or
-        # at any compile after an eager call: NOTES.md §39).
-        return _read_form(forward)
+        # at any compile after an eager call: NOTES.md §39). Handed the class, which it guards by identity (a
+        # forward looked up anew may be a new object at each lookup: a partialmethod's)
+        return _read_form(cls)
     try:
-        code = getattr(_unwrapped(forward), "__code__", None)
+        code = getattr(_unwrapped(getattr(cls, "forward", None)), "__code__", None)
     except _Unknown:
         code = None
     known = _FORMS.get(code) if code is not None else None
     if known is None:
-        known = _read_form(forward)
+        known = _read_form(cls)
         if code is not None:
             _FORMS[code] = known
     return known
 
 
-def _read_form(forward) -> Form:
+def _read_form(cls) -> Form:
+    forward = getattr(cls, "forward", None)
     try:
         function = _unwrapped(forward)
     except _Unknown as error:

@@ -486,22 +486,33 @@ def may_write_in_place(gate, up, own_buffers: bool):
 ASK_INCOMING = object()  # (truthy) ``ctx.in_place`` for a caller's buffers: in place if the incoming gradient allows
 
 
-_PythonNode = torch.autograd.function.BackwardCFunction
-
-
 def _producer_saved_output(t) -> bool:
-    """Whether the node that made ``t`` (or its base, for a view) may have saved its output: a generated node that
-    keeps ``result`` (exp, sigmoid, tanh, softmax...) or any Python Function's. Its backward would read the
-    gradients written over it, and autograd's version check, which would have raised, is off where a
-    saved-tensor hook was active when that node saved it (NOTES.md §39): the gradients are written fresh."""
+    """Whether the node that made ``t`` (or its base, for a view) may have saved its output, which its backward would
+    then read after the gradients were written over it: every node but those of ops whose derivative needs none of
+    their outputs (a product, a sum, a copy, a view; ``_KEEPS_NO_OUTPUT``). Among the others exp, sigmoid and tanh
+    keep theirs, SDPA its attention output, the linear-algebra factorizations their factors, and any Python
+    Function may: where a saved-tensor hook was active when such a node saved it, autograd's version check is off
+    and that backward reads the gradients silently (NOTES.md §39). Their gradients are written fresh."""
     for node in (t.grad_fn, None if t._base is None else t._base.grad_fn):
-        if node is not None and (
-            # (the raw saved variables: reading `_saved_result` would unpack it, running a user's unpack hook, and
-            # raise once a backward has freed it)
-            isinstance(node, _PythonNode) or hasattr(node, "_raw_saved_result") or hasattr(node, "_raw_saved_result0")
-        ):
+        if node is not None and type(node).__name__ not in _KEEPS_NO_OUTPUT:
             return True
     return False
+
+
+# Nodes whose backward formula reads their inputs (or nothing), never their output: what the outputs the layers and
+# users hand the gated ops come from (F.linear and matmul, LoRA's sum, chunk and the other views, casts).
+_KEEPS_NO_OUTPUT = frozenset(
+    (
+        "AddmmBackward0 MmBackward0 BmmBackward0 BaddbmmBackward0 MvBackward0 AddBackward0 AddBackward1 SubBackward0 "
+        "SubBackward1 RsubBackward0 RsubBackward1 MulBackward0 MulBackward1 DivBackward0 DivBackward1 NegBackward0 "
+        "ToCopyBackward0 CloneBackward0 UnsafeViewBackward0 ViewBackward0 ReshapeAliasBackward0 AsStridedBackward0 "
+        "SliceBackward0 SelectBackward0 SplitBackward0 SplitWithSizesBackward0 UnsafeSplitBackward0 UnbindBackward0 "
+        "TransposeBackward0 TransposeBackward1 PermuteBackward0 TBackward0 ExpandBackward0 SqueezeBackward0 "
+        "SqueezeBackward1 SqueezeBackward2 UnsqueezeBackward0 AliasBackward0 CatBackward0 StackBackward0 "
+        "IndexBackward0 IndexSelectBackward0 GatherBackward0 EmbeddingBackward0 NativeLayerNormBackward0 "
+        "NativeDropoutBackward0 SiluBackward0 GeluBackward0"
+    ).split()
+)
 
 
 def may_write_over_now(d_out, gate, up) -> bool:

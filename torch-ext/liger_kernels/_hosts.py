@@ -257,22 +257,27 @@ _GATED_FORMS = {}
 MAX_FORMS = 1024
 
 
-def refuse_a_bypassed_hook(module: nn.Module, forward, layer: str) -> None:
-    """For a host that carries accelerate's hook (``_hf_hook``; the layers ask only then): a ValueError where that
-    hook had wrapped the host's forward before kernelize replaced it (``kernelize`` sets the instance's ``forward``,
-    accelerate's wrapper included), so that the hook no longer runs: it moved the inputs to the execution device
-    and loaded offloaded weights, and a user's ``ModelHook`` changed the inputs or the output. Where kernelize ran
-    first, accelerate's wrapper calls the layer's ``forward`` (its ``_old_forward``) and runs the hook itself."""
-    old = module.__dict__.get("_old_forward")
-    if getattr(old, "__func__", None) is forward:
-        return
-    raise ValueError(
-        f"liger-kernels {layer}: the host {type(module).__name__} carries accelerate's hook (`_hf_hook`), attached "
-        "before kernelize replaced the forward the hook had wrapped: the hook no longer runs (it moves the inputs to "
-        "the execution device, loads offloaded weights, or runs a ModelHook of yours). Kernelize the model before "
-        "accelerate dispatches or offloads it (from_pretrained(..., use_kernels=True) does), or remove its hooks "
-        "first (accelerate.hooks.remove_hook_from_module)."
-    )
+def hook_bypassed(module: nn.Module, forward) -> bool:
+    """For a host that carries accelerate's hook (``_hf_hook``; the layers ask only then): whether the layer's
+    ``forward`` runs as the instance's own forward, which accelerate had wrapped to run the hook around it.
+    kernelize sets the instance's ``forward``: after accelerate's hooks (or again after them, as transformers
+    does on ``model.train()`` / ``eval()`` of a kernelized model) it replaces that wrapper. Where kernelize ran
+    first, the wrapper calls the layer's forward and runs the hook itself."""
+    return getattr(module.__dict__.get("forward"), "__func__", None) is forward
+
+
+def run_hook(module: nn.Module, compute, *args):
+    """``compute(module, *args)`` with accelerate's hook around it, as accelerate's wrapper runs a module's forward:
+    the hook's ``pre_forward`` (moving the inputs to the execution device, loading offloaded weights, a user's
+    ``ModelHook``), under no_grad where the hook asks it, then its ``post_forward``."""
+    hook = module.__dict__["_hf_hook"]
+    args, kwargs = hook.pre_forward(module, *args)
+    if getattr(hook, "no_grad", False):
+        with torch.no_grad():
+            output = compute(module, *args, **kwargs)
+    else:
+        output = compute(module, *args, **kwargs)
+    return hook.post_forward(module, output)
 
 
 def own_source(function) -> str:
@@ -538,8 +543,8 @@ def _normalized(source: str, decorators: bool = True):
 
 _KNOWN_FORMS = {_normalized(source)[0]: (casting, offset) for source, casting, offset in _RMS_NORM_FORMS}
 # host class -> (the forward read or declared, (casting, offset, epsilon attribute, "" or why it is refused),
-# whether declared): a class whose forward is replaced after a call is read again. Bounded, as _GATED_FORMS (the
-# classes read; declarations stay).
+# whether declared, the class it is parametrize's class of or None): a class whose forward is replaced after a call
+# is read again. Bounded, as _GATED_FORMS (the classes read; declarations stay).
 _RMS_NORM_HOSTS = {}
 
 
@@ -581,14 +586,14 @@ def rms_norm_host(cls) -> tuple:
         if len(_RMS_NORM_HOSTS) >= MAX_FORMS:
             for read in [c for c, entry in _RMS_NORM_HOSTS.items() if not entry[2]]:
                 del _RMS_NORM_HOSTS[read]
+        known = _RMS_NORM_HOSTS[cls] = (forward, _classify_rms_norm_host(cls), False, _parametrized_base(cls))
+    if known[3] is not None:
         # parametrize's class for a declared host computes what the host does (it adds the parametrized tensors'
-        # properties, nothing else): the declaration holds for it
-        base = _parametrized_base(cls)
-        declared = _RMS_NORM_HOSTS.get(base) if base is not None else None
+        # properties, nothing else): the host's declaration holds for it, as it stands now (declared, or declared
+        # again, before or after this class was first seen)
+        declared = _RMS_NORM_HOSTS.get(known[3])
         if declared is not None and declared[2] and declared[0] is forward:
-            known = _RMS_NORM_HOSTS[cls] = (forward, declared[1], False)
-        else:
-            known = _RMS_NORM_HOSTS[cls] = (forward, _classify_rms_norm_host(cls), False)
+            return declared[1]
     return known[1]
 
 
@@ -623,7 +628,7 @@ def declare_rms_norm_host(host_class, casting="llama", offset=0.0, eps_attribute
     if not isinstance(eps_attribute, str):
         raise TypeError(f"declare_rms_norm_host: `eps_attribute` must be a str, got {type(eps_attribute).__name__}")
     offset = _rms_norm._check_real(offset, "offset")
-    _RMS_NORM_HOSTS[host_class] = (host_class.forward, (casting, offset, eps_attribute, ""), True)
+    _RMS_NORM_HOSTS[host_class] = (host_class.forward, (casting, offset, eps_attribute, ""), True, None)
 
 
 def has_hooks(module: nn.Module) -> bool:

@@ -99,7 +99,7 @@ class GatedMLP:
                 grad_mode
                 and (gate.requires_grad or up.requires_grad)
                 and not (gate_operands[0].is_meta or up_operands[0].is_meta)
-                and not (_function_modes() or _dispatch_modes())
+                and not ((_function_modes() or _dispatch_modes()) and _modes_may_keep())
             )
             hidden = _gated.gated_apply_eager(gate, up, activation, 1.0, 1.0, in_place, own_buffers=True)
             return F.linear(hidden, *down_operands)
@@ -111,7 +111,7 @@ class GatedMLP:
             and _hosts.is_plain_linear(gate_proj)
             and _hosts.is_plain_linear(up_proj)
             # (a compiled call never writes over them: the question is not traced)
-            and (torch.compiler.is_compiling() or not _modes_active())
+            and (torch.compiler.is_compiling() or not ((_function_modes() or _dispatch_modes()) and _modes_may_keep()))
         )
         return down_proj(_gated.gated_apply(gate, up, activation, 1.0, 1.0, in_place, own_buffers=True))
 
@@ -146,18 +146,25 @@ def _small_call(gate: torch.Tensor, up: torch.Tensor) -> bool:
         and type(gate) is torch.Tensor
         and type(up) is torch.Tensor
         and gate.shape == up.shape
-        and not (_function_modes() or _dispatch_modes())
+        and not ((_function_modes() or _dispatch_modes()) and _modes_may_keep())
         and not (_backend.forward_ad_active() or torch._C._are_functorch_transforms_active())
     )
 
 
-# Whether a torch-function or dispatch mode is active: it may keep the projections' outputs (to log them, say),
-# which the layer would otherwise write over.
+# How many torch-function and dispatch modes are active: a mode may keep the projections' outputs (to log them,
+# say), which the layer would otherwise write over.
 _function_modes, _dispatch_modes = torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack
 
 
-def _modes_active() -> bool:
-    return bool(_function_modes() or _dispatch_modes())
+def _modes_may_keep() -> bool:
+    """Asked where a mode is active: whether one may keep what it sees. ``torch.device(...)`` as a context and
+    ``torch.set_default_device`` push a mode that only sets the device of new tensors (a training loop may run
+    under it whole): that one keeps nothing."""
+    from torch.utils._device import DeviceContext
+
+    if _dispatch_modes():
+        return True
+    return any(type(torch._C._get_function_stack_at(i)) is not DeviceContext for i in range(_function_modes()))
 
 
 def _is_hooked(act_fn) -> bool:

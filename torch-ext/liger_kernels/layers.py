@@ -45,6 +45,20 @@ def tiled(fn, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return apply_tiled_mlp(fn, module, x, num_shards=num_shards, tile=tile)
 
 
+def tiled_swiglu_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return tiled(swiglu_mlp, module, x)
+
+
+def tiled_geglu_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return tiled(geglu_mlp, module, x)
+
+
+def tiled_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A host ``nn.Linear`` tiled; 1-D input untiled."""
+    _check_linear_host(module)
+    return linear(module, x) if x.dim() < 2 else tiled(linear, module, x)
+
+
 def _host_setting(module: nn.Module, name: str):
     """``getattr(module, name, None)``, without raising and catching ``nn.Module.__getattr__``'s AttributeError
     where the name is nowhere (the common case, on every call of a tiled layer): an instance attribute is read
@@ -70,8 +84,8 @@ class LigerSwiGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if "_hf_hook" in self.__dict__:
-            _hosts.refuse_a_bypassed_hook(self, LigerSwiGLUMLP.forward, "LigerSwiGLUMLP")
+        if "_hf_hook" in self.__dict__ and _hosts.hook_bypassed(self, LigerSwiGLUMLP.forward):
+            return _hosts.run_hook(self, swiglu_mlp, x)
         return swiglu_mlp(self, x)
 
 
@@ -82,8 +96,8 @@ class LigerGEGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if "_hf_hook" in self.__dict__:
-            _hosts.refuse_a_bypassed_hook(self, LigerGEGLUMLP.forward, "LigerGEGLUMLP")
+        if "_hf_hook" in self.__dict__ and _hosts.hook_bypassed(self, LigerGEGLUMLP.forward):
+            return _hosts.run_hook(self, geglu_mlp, x)
         return geglu_mlp(self, x)
 
 
@@ -94,8 +108,8 @@ class LigerTiledSwiGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if "_hf_hook" in self.__dict__:
-            _hosts.refuse_a_bypassed_hook(self, LigerTiledSwiGLUMLP.forward, "LigerTiledSwiGLUMLP")
+        if "_hf_hook" in self.__dict__ and _hosts.hook_bypassed(self, LigerTiledSwiGLUMLP.forward):
+            return _hosts.run_hook(self, tiled_swiglu_mlp, x)
         return tiled(swiglu_mlp, self, x)
 
 
@@ -106,8 +120,8 @@ class LigerTiledGEGLUMLP(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if "_hf_hook" in self.__dict__:
-            _hosts.refuse_a_bypassed_hook(self, LigerTiledGEGLUMLP.forward, "LigerTiledGEGLUMLP")
+        if "_hf_hook" in self.__dict__ and _hosts.hook_bypassed(self, LigerTiledGEGLUMLP.forward):
+            return _hosts.run_hook(self, tiled_geglu_mlp, x)
         return tiled(geglu_mlp, self, x)
 
 
@@ -118,10 +132,9 @@ class LigerLinear(nn.Module):
     has_backward = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if "_hf_hook" in self.__dict__:
-            _hosts.refuse_a_bypassed_hook(self, LigerLinear.forward, "LigerLinear")
-        _check_linear_host(self)
-        return linear(self, input) if input.dim() < 2 else tiled(linear, self, input)
+        if "_hf_hook" in self.__dict__ and _hosts.hook_bypassed(self, LigerLinear.forward):
+            return _hosts.run_hook(self, tiled_linear, input)
+        return tiled_linear(self, input)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -199,6 +212,6 @@ class LigerRMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if "_hf_hook" in self.__dict__:
-            _hosts.refuse_a_bypassed_hook(self, LigerRMSNorm.forward, "LigerRMSNorm")
+        if "_hf_hook" in self.__dict__ and _hosts.hook_bypassed(self, LigerRMSNorm.forward):
+            return _hosts.run_hook(self, rms_norm_layer, hidden_states)
         return rms_norm_layer(self, hidden_states)
