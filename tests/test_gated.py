@@ -421,6 +421,8 @@ def test_in_place_backward_leaves_a_producer_that_saved_its_output_alone(lk, op,
 
 PRODUCERS_THAT_SAVE_THEIR_OUTPUT = {
     "sdpa": lambda x: torch.nn.functional.scaled_dot_product_attention(x[None], x[None] * 0.5, x[None] * 2.0)[0],
+    # _unsafe_view shares exp's output without making a view of it (no _base): exp's node made that memory
+    "exp through _unsafe_view": lambda x: torch.ops.aten._unsafe_view(torch.exp(x), x.shape),
     "qr": lambda x: torch.linalg.qr(x)[0],
     "inv": lambda x: torch.linalg.inv(x + 4 * torch.eye(4, dtype=x.dtype)),
     "cholesky": lambda x: torch.linalg.cholesky(x @ x.mT + torch.eye(4, dtype=x.dtype)),

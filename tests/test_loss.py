@@ -1025,3 +1025,38 @@ def test_the_loss_exports_and_compiles_with_a_dynamic_sequence_length(lk):
     torch._dynamo.decorators.mark_unbacked(labels, 1)
     torch.testing.assert_close(compiled(logits, labels), lk.LigerForCausalLMLoss(logits, labels, V))
     torch._dynamo.reset()
+
+
+def test_a_forward_replaced_after_compiling_is_read_again(lk):
+    """The compiled call's reading of the model's forward is guarded by the forward itself: replaced by one the loss
+    would not reproduce (here a wrapper that doubles the loss), the compiled call refuses it as the eager one does,
+    instead of the old reading's loss."""
+    torch._dynamo.reset()
+
+    class Model(LlamaForCausalLM):
+        pass
+
+    torch.manual_seed(0)
+    model = Model(LlamaConfig(**SIZES)).double()
+    ids = torch.randint(0, SIZES["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(5))
+    step = torch.compile(lambda model, ids: lk.causal_lm_loss(model, ids, labels=ids), backend="eager")
+    assert rel_err(step(model, ids), model(input_ids=ids, labels=ids).loss) <= FP32_BOUND
+    original = Model.forward
+
+    def doubled(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        out.loss = out.loss * 2
+        return out
+
+    Model.forward = doubled
+    for call in (lambda: lk.causal_lm_loss(model, ids, labels=ids), lambda: step(model, ids)):
+        with pytest.raises(ValueError, match="cannot be served"):
+            call()
+    # a forward that is a new object at each lookup (a partialmethod): refused when compiled as in eager, not a
+    # guard failure inside dynamo (a guard on the forward's identity)
+    Model.forward = functools.partialmethod(LlamaForCausalLM.forward)
+    torch._dynamo.reset()
+    for call in (lambda: lk.causal_lm_loss(model, ids, labels=ids), lambda: step(model, ids)):
+        with pytest.raises(ValueError, match="cannot be served"):
+            call()
+    torch._dynamo.reset()

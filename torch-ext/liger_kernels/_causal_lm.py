@@ -26,6 +26,7 @@ import ast
 import inspect
 import os
 import textwrap
+import types
 from typing import NamedTuple
 
 import torch
@@ -409,22 +410,26 @@ def form_of(cls) -> Form:
     if torch.compiler.is_compiling():
         # Read as a constant of the trace, the map neither read nor written: dynamo guards a map it reads by its
         # keys, and its guard code cannot spell a code object (an internal SyntaxError at the first recompile, or
-        # at any compile after an eager call: NOTES.md §39). Handed the class, which it guards by identity (a
-        # forward looked up anew may be a new object at each lookup: a partialmethod's)
-        return _read_form(cls)
+        # at any compile after an eager call: NOTES.md §39). Handed the class and, where it is a plain function,
+        # the forward, both guarded by identity, so that a forward replaced after compiling is read again (a
+        # forward that is no plain function, a partialmethod's, may be a new object at each lookup: a guard on it
+        # failed inside dynamo)
+        forward = getattr(cls, "forward", None)
+        return _read_form(cls, forward if type(forward) is types.FunctionType else None)
     try:
         code = getattr(_unwrapped(getattr(cls, "forward", None)), "__code__", None)
     except _Unknown:
         code = None
     known = _FORMS.get(code) if code is not None else None
     if known is None:
-        known = _read_form(cls)
+        known = _read_form(cls, None)
         if code is not None:
             _FORMS[code] = known
     return known
 
 
-def _read_form(cls) -> Form:
+def _read_form(cls, guarded) -> Form:
+    """``cls``'s form; ``guarded``: its forward or None, an argument only for dynamo to guard."""
     forward = getattr(cls, "forward", None)
     try:
         function = _unwrapped(forward)

@@ -494,6 +494,10 @@ def _producer_saved_output(t) -> bool:
     Function may: where a saved-tensor hook was active when such a node saved it, autograd's version check is off
     and that backward reads the gradients silently (NOTES.md §39). Their gradients are written fresh."""
     for node in (t.grad_fn, None if t._base is None else t._base.grad_fn):
+        while node is not None and type(node).__name__ == "UnsafeViewBackward0":
+            # _unsafe_view shares its input's storage without making a view of it (matmul's output, and anyone's
+            # aten._unsafe_view): the input's producer made this memory
+            node = node.next_functions[0][0]
         if node is not None and type(node).__name__ not in _KEEPS_NO_OUTPUT:
             return True
     return False
