@@ -213,9 +213,11 @@ def _models(options, variant_root, device=None):
             return (m(x.to(device)) * torch.randn(2, 256, 64, generator=g).to(device)).mean()
 
     if options.get("freeze"):
+        # True: embeddings and norms; or the names to freeze (a projection of each MLP: a LoRA base weight)
+        frozen = ("embed", "norm") if options["freeze"] is True else tuple(options["freeze"])
         for m in (model, reference):
             for name, p in m.named_parameters():
-                if "embed" in name or "norm" in name:
+                if any(part in name for part in frozen):
                     p.requires_grad_(False)
     return model.to(device), reference.to(device), units, loss_of
 

@@ -137,10 +137,8 @@ BUDGETS = {  # name: ((Python calls), (aten ops)), each (forward, no_grad forwar
     "LigerFusedLinearCrossEntropyFunction": ((144, 144, 31), (20, 20, 0)),
     # the logits or hidden states checked against the width and the labels before the reshape to rows (a frame and
     # two numel() calls): a misshapen input was a reshape's error, or one blaming the loss's target (NOTES.md §38)
-    # whether the call is traced, one call: eager shifts the labels into an aligned tensor of their own (a view 8
-    # bytes into its storage took the keyed launch path), a trace keeps transformers' spelling (NOTES.md §39)
-    "LigerForCausalLMLoss": ((70, 70, 22), (15, 15, 2)),
-    "LigerForCausalLMLoss, fused": ((186, 155, 31), (24, 19, 1)),
+    "LigerForCausalLMLoss": ((69, 69, 22), (15, 15, 2)),
+    "LigerForCausalLMLoss, fused": ((185, 154, 31), (24, 19, 1)),
 }
 
 

@@ -13,6 +13,8 @@ CASES = {
     "llama, reshard_after_forward=False": {"model": "llama", "wrap": "layers", "reshard": False},
     "llama, accumulation without gradient sync": {"model": "llama", "wrap": "layers", "micro_batches": 2},
     "llama, embeddings and norms frozen": {"model": "llama", "wrap": "layers", "freeze": True},
+    # the frozen weight saved for the tiled backward's version check across FSDP2's reshard and all-gather
+    "llama, each MLP's up_proj frozen": {"model": "llama", "wrap": "layers", "freeze": ["up_proj"]},
     "llama, fused loss (causal_lm_loss), layers and lm_head sharded": {"model": "llama_fused_loss", "wrap": "layers"},
     "llama, decoder layers tiled (tile_decoder_layers), each layer + root": {
         "model": "llama",

@@ -60,14 +60,8 @@ def LigerForCausalLMLoss(
     if shift_labels is None:
         if labels is None:
             raise ValueError("LigerForCausalLMLoss: pass `labels` or `shift_labels`")
-        # Each position's next label, the last one ignored. In eager mode the slice padded, a new tensor whose data
-        # are 16-byte aligned, where the pad sliced (transformers' spelling) is a view 8 bytes into its storage,
-        # whose launches key apart from the aligned ones (a sequence of no positions keeps none). Traced, the pad
-        # sliced: a graph has no launches to key, and the slice padded guards a dynamic length (S - 1 != 1).
-        if torch.compiler.is_compiling():  # (torch.export's tracing too, strict or not)
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        else:
-            shift_labels = F.pad(labels[..., 1:], (0, 1), value=ignore_index) if labels.shape[-1] else labels
+        # (for one sequence a view 8 bytes into its storage: its launches are bound as aligned ones, _launch)
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
     fused = hidden_states is not None and lm_head_weight is not None
     options = {k: kwargs[k] for k in (_FUSED_OPTIONS if fused else _LOGITS_OPTIONS) if kwargs.get(k) is not None}

@@ -145,12 +145,17 @@ def _apply_tiled(fn, mlp_module, x, requested, compute_params, tile, asked=False
     if zero3 and not x.requires_grad and not explicit:
         anchor = torch.empty(0, device=x.device, requires_grad=True)
     if torch.is_grad_enabled() and (x.requires_grad or explicit):
-        # The module's frozen parameters are saved too (not ZeRO-3's, whose data DeepSpeed swaps between calls):
-        # the recompute reads them as they are in backward, so one changed in place since forward must raise, as
-        # the plain module's saved weights do (frozen base weights under LoRA, an EMA copy).
-        frozen = [p for p in found.params if not p.requires_grad and not _zero3.is_zero3(p)]
+        # The module's frozen parameters are saved too: the recompute reads them as they are in backward, so one
+        # changed in place since forward must raise, as the plain module's saved weights do (LoRA's base weights).
+        frozen = _frozen(found)
         x = _SavedForRecompute.apply(x.is_leaf and x.requires_grad, x, len(frozen), *explicit, *frozen)
     return LigerTiledMLPFunction.apply(fn, mlp_module, x, shards, zero3, anchor, *explicit)
+
+
+def _frozen(found: _tiling.Structure) -> list:
+    """The module's frozen parameters the recompute reads, saved for autograd's version check beside the trainable
+    ones (not ZeRO-3's, whose data DeepSpeed swaps between calls)."""
+    return [p for p in found.params if not p.requires_grad and not _zero3.is_zero3(p)]
 
 
 class _Layout(NamedTuple):
@@ -373,8 +378,7 @@ class LigerTiledMLPFunction(torch.autograd.Function):
             ctx.x_is_grad_leaf = ctx.saved_by.x_is_grad_leaf
         else:
             ctx.x_is_grad_leaf = x.is_leaf and x.requires_grad
-            frozen = [p for p in _tiling.structure(mlp_module).params if not p.requires_grad and not _zero3.is_zero3(p)]
-            ctx.save_for_backward(x, *params, *frozen)
+            ctx.save_for_backward(x, *params, *_frozen(_tiling.structure(mlp_module)))
         if ctx.gated is not None:
             with _zero3.gathered(ctx.gather):
                 return gated_mlp_forward(ctx.gated, x, ctx.forward_bounds)
